@@ -1,0 +1,32 @@
+# Tandem: `make serve` runs the main job on the bundled tiny model (CPU); `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR := .models/tiny-kimi-linear
+
+.PHONY: setup serve test lint bench model
+
+setup: $(VENV)/.installed
+
+# torch first, pinned: its CPU build lies on disk; an open range would pull a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+model: setup
+	@test -f $(MODEL_DIR)/config.json || $(BIN)/tandem make-tiny-model --arch kimi_linear --out $(MODEL_DIR)
+
+serve: model
+	$(BIN)/tandem generate --model $(MODEL_DIR) --max-tokens 32 \
+		--prompt "The quick brown fox" --prompt "Once upon a time"
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup lint
+	$(BIN)/python -m pytest -q
+
+bench: model
+	$(BIN)/tandem bench offline --model $(MODEL_DIR)

@@ -1,0 +1,1 @@
+"""Tandem's model runner, shared by the prefill and decode services."""

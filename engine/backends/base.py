@@ -1,0 +1,88 @@
+"""Backend interfaces. Every method works on the flat varlen batch of a ForwardBatch."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class MLADims:
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
+        """Store this step's per-token entries [T, *entry] into their pages."""
+
+    @abstractmethod
+    def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """q [T, Hq, D] over a K|V page cache -> [T, Hq, D]; causal over each sequence's cache."""
+
+    @abstractmethod
+    def mla(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        kv_b_weight: torch.Tensor,
+        dims: MLADims,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, H, nope+rope] over a latent page cache -> [T, H, v_head_dim]."""
+
+
+class KDABackend(ABC):
+    @abstractmethod
+    def short_conv(
+        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Depthwise causal conv + SiLU of x [T, C] with weight [C, W]; reads and updates each
+        sequence's window in conv_cache[slot] ([slots, C, W-1])."""
+
+    @abstractmethod
+    def recurrence(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """KDA over q, k, g [T, H, K], v [T, H, V], beta [T, H] (q/k un-normalised; g log-decay);
+        reads and updates state_cache[slot] ([slots, H, K, V] fp32). Returns o [T, H, V] fp32."""
+
+
+class MoEBackend(ABC):
+    @abstractmethod
+    def route(
+        self,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        renormalize: bool,
+        scaling_factor: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sigmoid top-k routing -> (weights [T, k] fp32, expert ids [T, k])."""
+
+    @abstractmethod
+    def experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
+        """Weighted sum of SwiGLU experts; w1/w3 [E, I, H], w2 [E, H, I]."""

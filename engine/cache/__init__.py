@@ -1,0 +1,1 @@
+"""KV pages, KDA state slots, their allocators and the memory budget that sizes them."""

@@ -1,0 +1,41 @@
+"""What one model step sees: a flat batch of tokens from several requests plus cache metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens of all scheduled requests, concatenated ("varlen").
+
+    Sequence i owns rows query_start_loc[i]:query_start_loc[i+1]; those are its tokens at
+    positions context_lens[i] - q_len .. context_lens[i] - 1.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    query_start_loc: list[int]  # [N + 1]
+    context_lens: list[int]  # [N] tokens cached after this step
+    block_tables: list[torch.Tensor]  # N x [pages] int64
+    slot_mapping: torch.Tensor  # [T] flat KV row (page * page_size + offset) for each new token
+    state_slots: list[int]  # [N] KDA slot of each sequence (-1 without KDA layers)
+    has_initial_state: list[bool]  # [N] False on a request's first chunk: start from zero state
+    logits_indices: torch.Tensor  # [S] rows whose next-token logits are needed
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def q_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_tokens == self.num_seqs

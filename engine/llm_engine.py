@@ -1,0 +1,201 @@
+"""The engine: add requests, then ``step()`` schedules, runs the model and post-processes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from engine.backends import select_backends
+from engine.cache.allocator import BlockAllocator
+from engine.cache.budget import cache_budget_bytes, plan_cache
+from engine.cache.tensors import CacheTensors
+from engine.config import EngineConfig
+from engine.loader import load_model, resolve_dtype
+from engine.model_config import load_model_config
+from engine.model_runner import ModelRunner
+from engine.request import Request, TokenLogprobs
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; other requests are unaffected."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs]
+    num_preemptions: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        self.model_config = load_model_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.model, _ = load_model(config.model, self.dtype, self.device, progress=config.load_progress)
+        self.model.backends = select_backends(self.device)
+        self.tokenizer = Tokenizer(config.model)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = cache_budget_bytes(config, self.device, weight_bytes)
+        layout = plan_cache(self.model_config, config, self.dtype, budget)
+        capacity = layout.num_pages * layout.page_size
+        self.max_model_len = self._max_model_len(capacity)
+        self.cache = CacheTensors(self.model_config, layout, self.dtype, self.device)
+        self.pages = BlockAllocator("kv pages", layout.num_pages)
+        self.slots = BlockAllocator("kda slots", layout.num_slots) if self.model_config.kda_layers else None
+        self.scheduler = Scheduler(config, self.max_model_len, self.model_config.eos_token_ids, self.pages, self.slots)
+        self.runner = ModelRunner(self.model, self.cache, self.device, config.page_size)
+        self.sampler = Sampler(config.seed)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "cache: %d pages x %d tokens = %d tokens, %d KDA slots, %.1f MiB; max_model_len %d; "
+            "%d full-length requests fit at once (max_num_seqs %d)",
+            layout.num_pages,
+            layout.page_size,
+            capacity,
+            layout.num_slots,
+            self.cache.nbytes() / 2**20,
+            self.max_model_len,
+            capacity // self.max_model_len,
+            config.max_num_seqs,
+        )
+
+    def _max_model_len(self, capacity_tokens: int) -> int:
+        model_max = self.model_config.max_position_embeddings
+        want = self.config.max_model_len
+        if want is None:
+            return min(model_max, capacity_tokens)
+        if want > capacity_tokens:
+            raise ValueError(
+                f"max_model_len={want} exceeds the KV cache capacity of {capacity_tokens} tokens; "
+                "raise the cache budget or lower max_model_len"
+            )
+        return want
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self, prompt: list[int] | str, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, ids, params)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt plus at least one output token must fit)"
+            )
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Next-token logits [T, V] at every prompt position (prompt scoring), on scratch cache
+        blocks that are freed before returning. Runs outside the scheduler: call between steps."""
+        self._validate(prompt_ids, SamplingParams())
+        req = Request("score", prompt_ids, SamplingParams())
+        n_pages = -(-len(prompt_ids) // self.config.page_size)
+        if not self.pages.can_allocate(n_pages) or (self.slots is not None and not self.slots.can_allocate(1)):
+            raise RuntimeError("no free cache blocks to score the prompt")
+        req.page_ids = self.pages.allocate(n_pages)
+        req.slot_ids = self.slots.allocate(1) if self.slots is not None else []
+        try:
+            batch = self.runner.prepare([ScheduledChunk(req, 0, len(prompt_ids))])
+            return self.model.compute_logits(self.model(batch, self.cache))
+        finally:
+            self.pages.free(req.page_ids)
+            if self.slots is not None:
+                self.slots.free(req.slot_ids)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits = self.runner.execute(sched.chunks)
+        sampling = [c.request for c in sched.chunks if c.samples]
+        drawn = self.sampler.sample(logits, sampling)
+        sampled = {r.request_id: d for r, d in zip(sampling, drawn, strict=True)}
+        updated = self.scheduler.postprocess(sched, sampled)
+        outputs = [self._output(r) for r in updated]
+        for r in updated:
+            if r.is_finished:
+                self._requests.pop(r.request_id, None)
+        return outputs
+
+    @staticmethod
+    def _output(r: Request) -> RequestOutput:
+        return RequestOutput(
+            r.request_id,
+            r.prompt_token_ids,
+            list(r.output_token_ids),
+            r.is_finished,
+            r.finish_reason,
+            list(r.output_logprobs),
+            r.num_preemptions,
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]] | list[str],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        order = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in order]

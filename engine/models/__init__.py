@@ -1,0 +1,1 @@
+"""Model families. Each model's parameter names mirror its HF checkpoint's tensor names."""

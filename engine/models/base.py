@@ -1,0 +1,42 @@
+"""What every causal LM offers the model runner."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.backends import Backends
+from engine.cache.tensors import CacheTensors
+from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
+from engine.models.layers import RMSNorm
+
+
+class CausalLM(nn.Module):
+    """embed -> decoder layers -> final norm -> lm_head. Subclasses build ``self.layers``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.backends: Backends | None = None
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
+        """Returns final-normed hidden states [T, hidden]."""
+        assert self.backends is not None, "set model.backends before running"
+        h = self.model.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, cache, self.backends)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,143 @@
+"""Kimi-Linear: KDA linear-attention layers and MLA (NoPE) full-attention layers, dense + MoE MLPs.
+
+Facts: ../shared/reference/kimi-linear.md. Parameter names are the Moonshot checkpoint's
+(``self_attn.q_conv1d``, ``block_sparse_moe.experts.{j}.w1`` ...); experts are stacked here as
+``experts.w1 [E, I, H]`` and the loader fills one expert slice per checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.backends import Backends
+from engine.backends.base import MLADims
+from engine.cache.tensors import CacheTensors
+from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
+from engine.models.base import CausalLM
+from engine.models.layers import GatedMLP, GatedRMSNorm, RMSNorm
+from kernels.kda.naive import kda_gate
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        h, hd, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
+        self.num_heads, self.head_dim = h, hd
+        w = cfg.conv_kernel_size
+        self.q_proj = nn.Linear(cfg.hidden_size, p, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, p, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, p, bias=False)
+        self.q_conv1d = nn.Module()
+        self.k_conv1d = nn.Module()
+        self.v_conv1d = nn.Module()
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.weight = nn.Parameter(torch.zeros(p, 1, w))
+        self.f_a_proj = nn.Linear(cfg.hidden_size, hd, bias=False)
+        self.f_b_proj = nn.Linear(hd, p, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(p))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
+        self.b_proj = nn.Linear(cfg.hidden_size, h, bias=False)
+        self.g_a_proj = nn.Linear(cfg.hidden_size, hd, bias=False)
+        self.g_b_proj = nn.Linear(hd, p, bias=False)
+        self.o_norm = GatedRMSNorm(hd, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(p, cfg.hidden_size, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:
+        """q|k|v conv kernels as one depthwise [3P, W] weight, matching the conv window layout."""
+        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+        t, h, hd = x.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        qkv = be.kda.short_conv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)
+        q, k, v = (z.reshape(t, h, hd) for z in qkv.chunk(3, dim=-1))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, hd)  # [T, H, K]
+        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        o = be.kda.recurrence(q, k, v, g, beta, cache.recurrent[self.layer_idx], batch).to(x.dtype)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, hd)
+        return self.o_proj(self.o_norm(o, gate).reshape(t, h * hd))
+
+
+class KimiMLAAttention(nn.Module):
+    """MLA without q LoRA and without rotary (NoPE); caches the normed latent and k_pe."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.dims = MLADims(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+        qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.scale = qk_head**-0.5  # the unrotated rope dims still count in the scale
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * qk_head, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            cfg.kv_lora_rank, self.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.dims.kv_lora_rank, self.dims.qk_rope_head_dim], -1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        kv_pages = cache.kv[self.layer_idx]
+        be.attention.write_kv(kv_pages, batch, latent)
+        o = be.attention.mla(q, kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.cfg = cfg
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(e, h))
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e))
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.zeros(e, i, h))  # gate
+        self.experts.w3 = nn.Parameter(torch.zeros(e, i, h))  # up
+        self.experts.w2 = nn.Parameter(torch.zeros(e, h, i))  # down
+        self.shared_experts = GatedMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())  # routing in fp32
+        weights, ids = be.moe.route(
+            logits,
+            self.gate.e_score_correction_bias,
+            self.cfg.num_experts_per_token,
+            self.cfg.moe_renormalize,
+            self.cfg.routed_scaling_factor,
+        )
+        y = be.moe.experts(x, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        kind = cfg.layer_kinds[layer_idx]
+        self.self_attn = KimiDeltaAttention(cfg, layer_idx) if kind == "kda" else KimiMLAAttention(cfg, layer_idx)
+        self.is_moe = cfg.mlp_kinds[layer_idx] == "moe"
+        if self.is_moe:
+            self.block_sparse_moe = SparseMoE(cfg)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cache, be)
+        x = self.post_attention_layernorm(h)
+        return h + (self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x))
+
+
+class KimiLinearForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.model.layers = nn.ModuleList(KimiDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))

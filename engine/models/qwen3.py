@@ -1,0 +1,62 @@
+"""Qwen3: GQA with per-head q/k RMSNorm and RoPE, dense SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.backends import Backends
+from engine.cache.tensors import CacheTensors
+from engine.forward_batch import ForwardBatch
+from engine.model_config import ModelConfig
+from engine.models.base import CausalLM
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(q, k, batch.positions)
+        kv_pages = cache.kv[self.layer_idx]
+        be.attention.write_kv(kv_pages, batch, torch.stack([k, v], dim=1))
+        o = be.attention.gqa(q, kv_pages, batch, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, layer_idx)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cache, be)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3ForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self.model.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))

@@ -1,0 +1,59 @@
+"""A request's state as it moves through the scheduler: tokens, progress, and what it holds."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+        self.num_computed_tokens = 0
+        """Tokens whose KV / state is in the caches."""
+        self.page_ids: list[int] = []
+        self.slot_ids: list[int] = []
+        """KDA state slots; slot_ids[0] holds the running state."""
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, prompt={len(self.prompt_token_ids)}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, {self.status.value})"
+        )

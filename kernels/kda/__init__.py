@@ -1,0 +1,3 @@
+from kernels.kda.naive import kda_gate, l2norm, naive_chunk_kda, naive_recurrent_kda
+
+__all__ = ["kda_gate", "l2norm", "naive_chunk_kda", "naive_recurrent_kda"]

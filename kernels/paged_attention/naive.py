@@ -1,0 +1,85 @@
+"""Reference paged attention over a KV cache of fixed-size pages.
+
+A cache is ``[num_pages, page_size, *entry]``; token ``i`` of a sequence lives at page
+``block_table[i // page_size]``, row ``i % page_size``. A sequence's queries are its last
+``q_len`` tokens, each attending causally to every cached token at or before its position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def scatter_pages(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+    """Write entries [T, *entry] at flat rows slot_mapping [T] (page * page_size + offset)."""
+    cache.view(-1, *cache.shape[2:])[slot_mapping] = entries.to(cache.dtype)
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Return the first num_tokens entries of a sequence, in token order: [num_tokens, *entry]."""
+    page_size = cache.shape[1]
+    n_pages = -(-num_tokens // page_size)
+    return cache[block_table[:n_pages]].flatten(0, 1)[:num_tokens]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]; queries are positions Tk-Tq .. Tk-1. fp32 softmax."""
+    tq, tk = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+    mask = torch.arange(tk, device=q.device)[None, :] > q_pos
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_gqa_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D]; kv_cache [P, S, 2, Hkv, D]. Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    n_rep = q.shape[1] // kv_cache.shape[3]
+    for i, ctx in enumerate(context_lens):
+        s, e = query_start_loc[i], query_start_loc[i + 1]
+        kv = gather_pages(kv_cache, block_tables[i], ctx)
+        k = kv[:, 0].repeat_interleave(n_rep, dim=1)
+        v = kv[:, 1].repeat_interleave(n_rep, dim=1)
+        out[s:e] = causal_attention(q[s:e], k, v, scale)
+    return out
+
+
+def paged_mla_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[torch.Tensor],
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """MLA over a latent cache, expanded form (the reference; the GPU path absorbs kv_b instead).
+
+    q [T, H, nope+rope]; latent_cache [P, S, kv_lora_rank + rope] holding the normed latent c_kv
+    and the shared (unrotated, NoPE) k_pe; kv_b_weight [H*(nope+v), kv_lora_rank]. Returns [T, H, v].
+    """
+    h = q.shape[1]
+    out = q.new_empty(q.shape[0], h, v_head_dim)
+    for i, ctx in enumerate(context_lens):
+        s, e = query_start_loc[i], query_start_loc[i + 1]
+        lat = gather_pages(latent_cache, block_tables[i], ctx)
+        c_kv, k_pe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]
+        kv = torch.nn.functional.linear(c_kv, kv_b_weight).view(ctx, h, qk_nope_head_dim + v_head_dim)
+        k_nope, v = kv.split([qk_nope_head_dim, v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(ctx, h, k_pe.shape[-1])], dim=-1)
+        out[s:e] = causal_attention(q[s:e], k, v, scale)
+    return out

@@ -1,0 +1,1 @@
+"""Tandem: disaggregated prefill/decode serving. The `tandem` command lives in tandem.cli."""
