@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := .models/tiny-kimi-linear
 
-.PHONY: setup serve test lint bench model
+.PHONY: setup serve generate test lint bench model
 
 setup: $(VENV)/.installed
 
@@ -18,7 +18,11 @@ $(VENV)/.installed: pyproject.toml
 model: setup
 	@test -f $(MODEL_DIR)/config.json || $(BIN)/tandem make-tiny-model --arch kimi_linear --out $(MODEL_DIR)
 
+# router + one prefill + one decode worker on localhost; Ctrl-C stops all three
 serve: model
+	$(BIN)/tandem serve --model $(MODEL_DIR)
+
+generate: model
 	$(BIN)/tandem generate --model $(MODEL_DIR) --max-tokens 32 \
 		--prompt "The quick brown fox" --prompt "Once upon a time"
 

@@ -49,3 +49,27 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+
+SPECULATIVE_METHODS = ("ngram", "aux_tap")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of a decode worker. A prefill worker refuses any of it."""
+
+    method: str | None = None
+    """'ngram' | 'aux_tap'; None: no speculation."""
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
+    """Drafter checkpoint directory (aux_tap)."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None or self.num_speculative_tokens > 0 or self.draft_model is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class ForwardBatch:
     state_slots: list[int]  # [N] KDA slot of each sequence (-1 without KDA layers)
     has_initial_state: list[bool]  # [N] False on a request's first chunk: start from zero state
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are needed
+    request_ids: list[str] = field(default_factory=list)  # [N]
+    chunk_starts: list[int] = field(default_factory=list)  # [N] tokens cached before this step
+    completes_prompt: list[bool] = field(default_factory=list)  # [N] this chunk reaches the last known token
 
     @property
     def num_seqs(self) -> int:

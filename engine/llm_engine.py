@@ -41,6 +41,16 @@ class RequestOutput:
     num_preemptions: int = 0
 
 
+@dataclass
+class ImportReservation:
+    """Blocks held for a prompt whose state arrives from a producer (P/D consumer side)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    page_ids: list[int]
+    slot_ids: list[int]
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,6 +80,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.device, config.page_size)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, Request] = {}
+        self._reservations: dict[str, ImportReservation] = {}
         self._ids = itertools.count()
         logger.info(
             "cache: %d pages x %d tokens = %d tokens, %d KDA slots, %.1f MiB; max_model_len %d; "
@@ -125,6 +136,62 @@ class LLMEngine:
             )
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+
+    # ---- P/D consumer side ------------------------------------------------------------------
+    def reserve_import(self, request_id: str, num_prompt_tokens: int) -> ImportReservation | None:
+        """Hold pages and a KDA slot for an incoming prompt; None when they are not free now."""
+        if request_id in self._requests or request_id in self._reservations:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        busy = len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._reservations)
+        if busy >= self.config.max_num_seqs:
+            return None
+        n_pages = -(-num_prompt_tokens // self.config.page_size)
+        # keep room for every running request's next token, so imports never starve decoding
+        if not self.pages.can_allocate(n_pages + len(self.scheduler.running)):
+            return None
+        if self.slots is not None and not self.slots.can_allocate(1):
+            return None
+        res = ImportReservation(
+            request_id,
+            num_prompt_tokens,
+            self.pages.allocate(n_pages),
+            self.slots.allocate(1) if self.slots is not None else [],
+        )
+        self._reservations[request_id] = res
+        return res
+
+    def release_import(self, res: ImportReservation) -> None:
+        if self._reservations.pop(res.request_id, None) is None:
+            return
+        self.pages.free(res.page_ids)
+        if self.slots is not None and res.slot_ids:
+            self.slots.free(res.slot_ids)
+
+    def insert_prefilled(
+        self,
+        res: ImportReservation,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None,
+    ) -> RequestOutput:
+        """Continue a request from a producer's state: its prompt is cached, its first token sampled."""
+        if self._reservations.pop(res.request_id, None) is None:
+            raise InvalidRequestError(f"no reservation for request {res.request_id!r}")
+        req = Request(res.request_id, prompt_ids, params)
+        req.page_ids, req.slot_ids = res.page_ids, res.slot_ids
+        req.num_computed_tokens = res.num_prompt_tokens
+        req.output_token_ids.append(first_token)
+        if first_logprobs is not None:
+            req.output_logprobs.append(first_logprobs)
+        self.scheduler.add_running(req)
+        if not self.scheduler.finish_if_stopped(req, first_token):
+            self._requests[req.request_id] = req
+        return self._output(req)
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self._reservations)
 
     def abort_request(self, request_id: str) -> None:
         req = self.scheduler.abort(request_id)

@@ -23,6 +23,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         qsl = [0]
         ctx, tables, slots, has_init, logits_idx = [], [], [], [], []
+        rids, starts, completes = [], [], []
         ps = self.page_size
         for c in chunks:
             req = c.request
@@ -37,6 +38,9 @@ class ModelRunner:
             has_init.append(c.start > 0)
             if c.samples:
                 logits_idx.append(qsl[-1] - 1)
+            rids.append(req.request_id)
+            starts.append(c.start)
+            completes.append(c.samples)
 
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=self.device)
@@ -51,6 +55,9 @@ class ModelRunner:
             state_slots=slots,
             has_initial_state=has_init,
             logits_indices=t(logits_idx),
+            request_ids=rids,
+            chunk_starts=starts,
+            completes_prompt=completes,
         )
 
     @torch.inference_mode()

@@ -61,6 +61,17 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A request whose prompt is already in the caches (P/D consumer)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish_if_stopped(self, req: Request, token: int) -> bool:
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        return reason is not None
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(os.environ.get("TANDEM_MODEL_DIR", ".models/tiny-kimi-linear"))
@@ -84,6 +85,89 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _speculative(a: argparse.Namespace):
+    from engine.config import SpeculativeConfig
+
+    return SpeculativeConfig(a.speculative_method, a.num_speculative_tokens, a.draft_model)
+
+
+def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--drain-seconds", type=float, default=10.0)
+    p.add_argument("--speculative-method", default=None, help="decode workers only: ngram | aux_tap")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, help="decode workers only")
+    p.add_argument("--draft-model", default=None, help="decode workers only")
+
+
+def cmd_prefill(a: argparse.Namespace) -> int:
+    from prefill_svc.config import PrefillConfig
+    from prefill_svc.main import run
+
+    # the config refuses speculative settings before anything is loaded
+    config = PrefillConfig(engine_config_from_args(a), a.host, a.port, a.metrics_port, _speculative(a), a.drain_seconds)
+    run(config)
+    return 0
+
+
+def cmd_decode(a: argparse.Namespace) -> int:
+    from decode_svc.config import DecodeConfig
+    from decode_svc.main import run
+
+    run(DecodeConfig(engine_config_from_args(a), a.host, a.port, a.metrics_port, _speculative(a), a.drain_seconds))
+    return 0
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    from router.main import RouterConfig, run
+
+    run(
+        RouterConfig(
+            model=str(a.model or default_model()),
+            prefill=tuple(a.prefill or ()),
+            decode=tuple(a.decode or ()),
+            host=a.host,
+            http_port=a.http_port,
+            grpc_port=a.grpc_port,
+            served_model_name=a.served_model_name,
+        )
+    )
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import signal as _signal
+
+    from tandem.cluster import LocalCluster, WorkerSpec
+
+    model = a.model or default_model()
+    cluster = LocalCluster(
+        model,
+        [WorkerSpec("prefill", list(a.prefill_args or [])), WorkerSpec("decode", list(a.decode_args or []))],
+        http_port=a.http_port,
+        grpc_port=a.grpc_port,
+    )
+    cluster.start()
+    print(f"Tandem is serving {model} at {cluster.base_url} (OpenAI API), gRPC 127.0.0.1:{cluster.grpc_port}")
+    print(
+        "  try: curl " + cluster.base_url + "/completions -H 'Content-Type: application/json' "
+        '-d \'{"model": "' + Path(model).resolve().name + '", "prompt": "Hello", "max_tokens": 16}\''
+    )
+    print("Ctrl-C stops the router and both workers.", flush=True)
+    stop = [False]
+    _signal.signal(_signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
+    try:
+        while not stop[0] and all(p.popen.poll() is None for p in cluster.procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -116,6 +200,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=256)
     b.add_argument("--output-len", type=int, default=64)
     b.set_defaults(func=cmd_bench)
+    p = sub.add_parser("prefill", help="run a prefill worker (never speculates)")
+    _add_worker_args(p, 50061)
+    p.set_defaults(func=cmd_prefill)
+
+    p = sub.add_parser("decode", help="run a decode worker")
+    _add_worker_args(p, 50062)
+    p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("router", help="run the gateway over registered workers")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir for the tokenizer and chat template")
+    p.add_argument("--prefill", action="append", help="prefill worker host:port (repeat for several)")
+    p.add_argument("--decode", action="append", help="decode worker host:port (repeat for several)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50060)
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("serve", help="router + one prefill + one decode worker on localhost")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50060)
+    p.add_argument("--prefill-args", nargs=argparse.REMAINDER, help="extra flags for the prefill worker")
+    p.add_argument("--decode-args", nargs=argparse.REMAINDER, help="extra flags for the decode worker")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -25,6 +27,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.backends: Backends | None = None
+        self.layer_hooks: list[Callable[[int, ForwardBatch], None]] = []
+        """Called after each layer with (layer index, batch): the P/D producer streams the layer's
+        finished pages and state from here while the next layers compute."""
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -34,8 +39,10 @@ class CausalLM(nn.Module):
         """Returns final-normed hidden states [T, hidden]."""
         assert self.backends is not None, "set model.backends before running"
         h = self.model.embed_tokens(batch.input_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, batch, cache, self.backends)
+            for hook in self.layer_hooks:
+                hook(i, batch)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,19 @@
+"""Decode worker configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50062
+    metrics_port: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    drain_seconds: float = 10.0
+    reserve_timeout_s: float = 30.0
+    """How long a request waits for free pages/slots before RESOURCE_EXHAUSTED."""

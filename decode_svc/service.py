@@ -1,0 +1,174 @@
+"""gRPC Decode service.
+
+Pull, not push: the decode worker reserves pages and a slot *first*, then pulls the handoff from
+the prefill worker into them. Memory is only committed by the side that will hold it, so a slow or
+dead consumer cannot strand producer memory, and a consumer never receives bytes it has no room
+for (the push-mode leak of vLLM #46283). The producer frees its blocks as soon as its prefill step
+ends; the consumer frees its reservation on any failure before decoding starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from decode_svc.config import DecodeConfig
+from engine.async_engine import AsyncEngine
+from engine.fingerprint import Fingerprint
+from engine.kv_transfer.codec import HandoffError
+from engine.kv_transfer.consumer import HandoffConsumer
+from engine.llm_engine import ImportReservation, RequestOutput
+from prefill_svc.service import fingerprint_to_pb
+from tandem.convert import logprobs_to_pb, params_from_pb
+from tandem.grpc_util import channel
+from tandem.metrics import WorkerMetrics
+from tandem.rpc import common_pb2 as cpb
+from tandem.rpc import decode_pb2 as pb
+from tandem.rpc import decode_pb2_grpc, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_GRPC_TO_GRPC = {  # producer failures as seen by the router
+    grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class DecodeService(decode_pb2_grpc.DecodeServicer):
+    def __init__(
+        self,
+        config: DecodeConfig,
+        aengine: AsyncEngine,
+        fingerprint: Fingerprint,
+        metrics: WorkerMetrics,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.model_name = model_name
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
+        spec = self.config.speculative
+        return cpb.WorkerInfo(
+            role=cpb.DECODE,
+            model_name=self.model_name,
+            fingerprint=fingerprint_to_pb(self.fingerprint),
+            speculative=spec.enabled,
+            speculative_method=spec.method or "",
+            num_speculative_tokens=spec.num_speculative_tokens,
+            max_model_len=self.engine.max_model_len,
+            outstanding_requests=self.engine.num_outstanding,
+        )
+
+    def _prefill_stub(self, endpoint: str) -> prefill_pb2_grpc.PrefillStub:
+        if endpoint not in self._channels:
+            self._channels[endpoint] = channel(endpoint)
+        return prefill_pb2_grpc.PrefillStub(self._channels[endpoint])
+
+    async def _reserve(self, rid: str, n: int, context: grpc.aio.ServicerContext) -> ImportReservation:
+        deadline = time.monotonic() + self.config.reserve_timeout_s
+        while True:
+            res = await self.aengine.call(lambda e: e.reserve_import(rid, n))
+            if res is not None:
+                return res
+            if time.monotonic() > deadline:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no KV pages / slots free for {n} tokens")
+            await asyncio.sleep(0.01)
+
+    async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        prompt = list(request.prefill.prompt_token_ids)
+        try:
+            params = params_from_pb(request.params)
+            self.engine._validate(prompt, params)
+        except ValueError as e:
+            self.metrics.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.prefill_endpoint:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_endpoint is required")
+
+        t0 = time.monotonic()
+        res = await self._reserve(rid, len(prompt), context)
+        inserted = finished = False
+        q = self.aengine.open_stream(rid)
+        try:
+            result = await self._pull(request, res, context)
+            out: RequestOutput = await self.aengine.call(
+                lambda e: e.insert_prefilled(res, prompt, params, result.first_token, result.first_logprobs)
+            )
+            inserted = True
+            self.metrics.ttft.observe(time.monotonic() - t0)
+            sent = 0
+            t_first = time.monotonic()
+            while True:
+                new = out.output_token_ids[sent:]
+                if new or out.finished:
+                    chunk = pb.TokenChunk(token_ids=new, finished=out.finished, finish_reason=out.finish_reason or "")
+                    if params.logprobs is not None:
+                        chunk.logprobs.extend(logprobs_to_pb(lp) for lp in out.logprobs[sent:])
+                    sent = len(out.output_token_ids)
+                    yield chunk
+                if out.finished:
+                    finished = True
+                    if sent > 1:
+                        self.metrics.tpot.observe((time.monotonic() - t_first) / (sent - 1))
+                    self.metrics.requests.labels("ok").inc()
+                    return
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                out = item
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("cancelled").inc()
+            raise
+        finally:
+            self.aengine.close_stream(rid)
+            if not inserted:
+                await asyncio.shield(self.aengine.call(lambda e: e.release_import(res)))
+            elif not finished:
+                await asyncio.shield(self.aengine.abort(rid))
+
+    async def _pull(self, request: pb.DecodeRequest, res: ImportReservation, context: grpc.aio.ServicerContext):
+        prefill_req = request.prefill
+        prefill_req.request_id = request.request_id
+        prefill_req.ClearField("speculative")  # never forward speculative settings to a producer
+        prefill_req.consumer_fingerprint.CopyFrom(fingerprint_to_pb(self.fingerprint))
+        consumer = HandoffConsumer(
+            self.engine.model_config,
+            self.engine.cache,
+            self.fingerprint,
+            len(prefill_req.prompt_token_ids),
+            res.page_ids,
+            res.slot_ids,
+        )
+        remaining = context.time_remaining()
+        self.metrics.live_transfers.inc()
+        t0 = time.monotonic()
+        call = self._prefill_stub(request.prefill_endpoint).Prefill(prefill_req, timeout=remaining)
+        try:
+            async for msg in call:
+                result = consumer.accept(msg)
+                if result is not None:
+                    self.metrics.transfer_bytes.inc(result.payload_bytes)
+                    self.metrics.transfer_seconds.observe(time.monotonic() - t0)
+                    return result
+            raise HandoffError("prefill stream ended without an end marker")
+        except HandoffError as e:
+            call.cancel()
+            self.metrics.requests.labels("bad_handoff").inc()
+            logger.warning("request %s: handoff refused: %s", request.request_id, e)
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"handoff from {request.prefill_endpoint} refused: {e}")
+        except grpc.aio.AioRpcError as e:
+            self.metrics.requests.labels("prefill_failed").inc()
+            code = _GRPC_TO_GRPC.get(e.code(), grpc.StatusCode.UNAVAILABLE)
+            await context.abort(code, f"prefill worker {request.prefill_endpoint}: {e.code().name}: {e.details()}")
+        finally:
+            self.metrics.live_transfers.dec()

@@ -1,0 +1,172 @@
+"""Consumer (decode worker side): verify every handoff message and write it into reserved blocks.
+
+Nothing is used until ``finish()`` has checked that the stream is complete and consistent; on any
+error the caller releases the reservation and the request is never decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.tensors import CacheTensors
+from engine.fingerprint import Fingerprint
+from engine.kv_transfer.codec import HandoffError, TensorAssembler
+from engine.model_config import ModelConfig
+from engine.request import TokenLogprobs
+from tandem.rpc import prefill_pb2 as pb
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    block_hashes: list[bytes]
+    payload_bytes: int
+
+
+def fingerprint_from_pb(f: pb.Fingerprint) -> Fingerprint:  # type: ignore[name-defined]
+    return Fingerprint(f.model_digest, f.tokenizer_digest, f.dtype, f.page_size, f.cache_layout)
+
+
+class HandoffConsumer:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        cache: CacheTensors,
+        fingerprint: Fingerprint,
+        num_prompt_tokens: int,
+        page_ids: list[int],
+        slot_ids: list[int],
+    ) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.fingerprint = fingerprint
+        self.n = num_prompt_tokens
+        self.page_ids = page_ids
+        self.slot_ids = slot_ids
+        self.page_size = cache.layout.page_size
+        self.num_pages = -(-num_prompt_tokens // self.page_size)
+        self.dtype = next(iter(cache.kv.values())).dtype if cache.kv else torch.float32
+        self._parts: dict[tuple, TensorAssembler] = {}
+        self._done: set[tuple] = set()
+        self._header = False
+        self._first: pb.FirstToken | None = None
+        self._hashes: list[bytes] = []
+        self.num_messages = 0
+        self.payload_bytes = 0
+        self.num_kv_parts = 0
+
+    def accept(self, msg: pb.HandoffChunk) -> HandoffResult | None:
+        """Take one message; returns the result after a valid end marker."""
+        which = msg.WhichOneof("payload")
+        if which != "header" and not self._header:
+            raise HandoffError(f"handoff began with {which!r}, expected the header")
+        if which == "end":
+            return self._finish(msg.end)
+        self.num_messages += 1
+        if which == "header":
+            self._on_header(msg.header)
+        elif which == "kv":
+            self._on_kv(msg.kv)
+        elif which == "state":
+            self._on_state(msg.state)
+        elif which == "block_hashes":
+            self._hashes = list(msg.block_hashes.hashes)
+        elif which == "first_token":
+            self._first = msg.first_token
+        else:
+            raise HandoffError(f"unknown handoff message {which!r}")
+        return None
+
+    def _on_header(self, h: pb.HandoffHeader) -> None:
+        theirs = fingerprint_from_pb(h.producer_fingerprint)
+        diffs = self.fingerprint.differences(theirs)
+        if diffs:
+            raise HandoffError("producer fingerprint differs from this consumer's: " + "; ".join(diffs))
+        if h.num_prompt_tokens != self.n or h.page_size != self.page_size:
+            raise HandoffError(
+                f"header says {h.num_prompt_tokens} tokens / page size {h.page_size}; "
+                f"expected {self.n} / {self.page_size}"
+            )
+        if list(h.attention_layers) != list(self.cfg.attention_layers) or list(h.kda_layers) != list(
+            self.cfg.kda_layers
+        ):
+            raise HandoffError("producer's layer lists differ from this consumer's")
+        self._header = True
+
+    def _on_kv(self, part: pb.KVPagePart) -> None:
+        layer, p = part.layer, part.page_index
+        if layer not in self.cache.kv or p >= self.num_pages:
+            raise HandoffError(f"kv part for layer {layer} page {p} is outside the request")
+        want = min(self.n - p * self.page_size, self.page_size)
+        if part.num_tokens != want:
+            raise HandoffError(f"kv layer {layer} page {p}: {part.num_tokens} tokens, expected {want}")
+        key = ("kv", layer, p)
+        asm = self._assembler(key, f"kv layer {layer} page {p}", (want, *self.cfg.kv_entry_shape), self.dtype)
+        asm.add(part.tensor)
+        self.payload_bytes += len(part.tensor.data)
+        if asm.complete:
+            self.cache.kv[layer][self.page_ids[p], :want] = asm.tensor()
+            self._complete(key)
+            self.num_kv_parts += 1
+
+    def _on_state(self, part: pb.StatePart) -> None:
+        layer = part.layer
+        if layer not in self.cache.recurrent or part.kind not in (pb.RECURRENT, pb.CONV):
+            raise HandoffError(f"state part for layer {layer} kind {part.kind} does not exist here")
+        pool = self.cache.recurrent[layer] if part.kind == pb.RECURRENT else self.cache.conv[layer]
+        key = ("state", layer, int(part.kind))
+        asm = self._assembler(
+            key, f"{pb.StateKind.Name(part.kind)} state layer {layer}", tuple(pool.shape[1:]), pool.dtype
+        )
+        asm.add(part.tensor)
+        self.payload_bytes += len(part.tensor.data)
+        if asm.complete:
+            pool[self.slot_ids[0]] = asm.tensor()
+            self._complete(key)
+
+    def _assembler(self, key: tuple, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorAssembler:
+        if key in self._done:
+            raise HandoffError(f"{what} received twice")
+        if key not in self._parts:
+            self._parts[key] = TensorAssembler(what, dtype, shape)
+        return self._parts[key]
+
+    def _complete(self, key: tuple) -> None:
+        del self._parts[key]
+        self._done.add(key)
+
+    def _finish(self, end: pb.HandoffEnd) -> HandoffResult:
+        missing = [
+            f"kv layer {layer} page {p}"
+            for layer in self.cfg.attention_layers
+            for p in range(self.num_pages)
+            if ("kv", layer, p) not in self._done
+        ]
+        missing += [
+            f"{kind} state layer {layer}"
+            for layer in self.cfg.kda_layers
+            for kind, k in (("RECURRENT", pb.RECURRENT), ("CONV", pb.CONV))
+            if ("state", layer, int(k)) not in self._done
+        ]
+        if missing or self._parts:
+            raise HandoffError(f"handoff incomplete: missing {missing[:6]} ({len(missing)} in all)")
+        if (end.num_messages, end.payload_bytes) != (self.num_messages, self.payload_bytes):
+            raise HandoffError(
+                f"end marker says {end.num_messages} messages / {end.payload_bytes} bytes, "
+                f"received {self.num_messages} / {self.payload_bytes}"
+            )
+        if self._first is None:
+            raise HandoffError("handoff has no first token")
+        t = self._first.token
+        lp = (
+            TokenLogprobs(t.token_id, t.logprob, tuple((x.token_id, x.logprob) for x in t.top))
+            if self._first.has_logprob
+            else None
+        )
+        expected_hashes = self.n // self.page_size
+        if len(self._hashes) != expected_hashes:
+            raise HandoffError(f"{len(self._hashes)} block hashes, expected {expected_hashes}")
+        return HandoffResult(t.token_id, lp, self._hashes, self.payload_bytes)

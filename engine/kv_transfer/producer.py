@@ -1,0 +1,65 @@
+"""Producer (prefill worker side): a layer hook that emits each finished page and, on the prompt's
+last chunk, each KDA layer's state, while the following layers still compute.
+
+Data is copied out of the cache inside the hook, so the request's pages can be freed as soon as its
+prefill step ends, whatever the consumer does next.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from engine.cache.tensors import CacheTensors
+from engine.forward_batch import ForwardBatch
+from engine.kv_transfer.codec import tensor_pieces
+from engine.model_config import ModelConfig
+from tandem.rpc import prefill_pb2 as pb
+
+Sink = Callable[[pb.HandoffChunk], None]
+
+
+class HandoffProducer:
+    def __init__(self, cfg: ModelConfig, cache: CacheTensors, page_size: int) -> None:
+        self.cfg = cfg
+        self.cache = cache
+        self.page_size = page_size
+        self._sinks: dict[str, tuple[Sink, int]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, request_id: str, sink: Sink, max_message_bytes: int) -> None:
+        with self._lock:
+            self._sinks[request_id] = (sink, max_message_bytes)
+
+    def unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._sinks.pop(request_id, None)
+
+    def on_layer(self, layer: int, batch: ForwardBatch) -> None:
+        kda = self.cfg.layer_kinds[layer] == "kda"
+        ps = self.page_size
+        for i, rid in enumerate(batch.request_ids):
+            with self._lock:
+                entry = self._sinks.get(rid)
+            if entry is None:
+                continue
+            sink, max_bytes = entry
+            start, end, last = batch.chunk_starts[i], batch.context_lens[i], batch.completes_prompt[i]
+            if kda:
+                if last:  # the state after the whole prompt
+                    slot = batch.state_slots[i]
+                    for kind, t in (
+                        (pb.RECURRENT, self.cache.recurrent[layer][slot]),
+                        (pb.CONV, self.cache.conv[layer][slot]),
+                    ):
+                        for piece in tensor_pieces(t, max_bytes):
+                            sink(pb.HandoffChunk(state=pb.StatePart(layer=layer, kind=kind, tensor=piece)))
+                continue
+            table = batch.block_tables[i]
+            for p in range(start // ps, -(-end // ps)):
+                n = min(end - p * ps, ps)
+                if n < ps and not last:
+                    continue  # still filling: sent once full, or with the prompt's last chunk
+                rows = self.cache.kv[layer][int(table[p]), :n]
+                for piece in tensor_pieces(rows, max_bytes):
+                    sink(pb.HandoffChunk(kv=pb.KVPagePart(layer=layer, page_index=p, num_tokens=n, tensor=piece)))

@@ -1,0 +1,33 @@
+"""Prefill worker configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, SpeculativeConfig
+
+
+class ProducerSpeculationError(ValueError):
+    """A prefill worker was configured to speculate; it never does."""
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    drain_seconds: float = 10.0
+    max_message_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.speculative.enabled:
+            spec = self.speculative
+            raise ProducerSpeculationError(
+                "a prefill worker never speculates: remove the speculative settings "
+                f"(method={spec.method!r}, num_speculative_tokens={spec.num_speculative_tokens}, "
+                f"draft_model={spec.draft_model!r}); speculative decoding runs on decode workers only"
+            )
+        if not 0 < self.max_message_bytes <= 16 << 20:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be in (0, 16 MiB]")

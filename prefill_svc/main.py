@@ -1,0 +1,28 @@
+"""`tandem prefill`: one prefill worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefill_svc.config import PrefillConfig
+from prefill_svc.service import PrefillService
+from tandem.rpc import prefill_pb2, prefill_pb2_grpc
+from tandem.worker import run_worker
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+
+
+def run(config: PrefillConfig) -> None:
+    asyncio.run(
+        run_worker(
+            "prefill",
+            config.engine,
+            config.host,
+            config.port,
+            config.metrics_port,
+            config.drain_seconds,
+            SERVICE_NAME,
+            prefill_pb2_grpc.add_PrefillServicer_to_server,
+            lambda ae, fp, m, name: PrefillService(config, ae, fp, m, name),
+        )
+    )

@@ -1,0 +1,164 @@
+"""gRPC Prefill service: run a prompt, stream its pages and KDA state as layers finish, then the
+first token. The request's blocks are freed when its prefill ends or the stream is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.block_hash import block_hashes, namespace
+from engine.fingerprint import Fingerprint
+from engine.kv_transfer.consumer import fingerprint_from_pb
+from engine.kv_transfer.producer import HandoffProducer
+from engine.llm_engine import RequestOutput
+from prefill_svc.config import PrefillConfig
+from tandem.convert import logprobs_to_pb, params_from_pb
+from tandem.metrics import WorkerMetrics
+from tandem.rpc import common_pb2 as cpb
+from tandem.rpc import prefill_pb2 as pb
+from tandem.rpc import prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def fingerprint_to_pb(f: Fingerprint) -> cpb.Fingerprint:
+    return cpb.Fingerprint(
+        digest=f.digest,
+        model_digest=f.model_digest,
+        tokenizer_digest=f.tokenizer_digest,
+        dtype=f.dtype,
+        page_size=f.page_size,
+        cache_layout=f.cache_layout,
+    )
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(
+        self,
+        config: PrefillConfig,
+        aengine: AsyncEngine,
+        fingerprint: Fingerprint,
+        metrics: WorkerMetrics,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.model_name = model_name
+        self.namespace = namespace(fingerprint.model_digest)
+        self.producer = HandoffProducer(self.engine.model_config, self.engine.cache, self.engine.config.page_size)
+        self.engine.model.layer_hooks.append(self.producer.on_layer)
+        self._outstanding_tokens = 0
+
+    async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
+        return cpb.WorkerInfo(
+            role=cpb.PREFILL,
+            model_name=self.model_name,
+            fingerprint=fingerprint_to_pb(self.fingerprint),
+            speculative=False,
+            max_model_len=self.engine.max_model_len,
+            outstanding_requests=self.engine.num_outstanding,
+            outstanding_tokens=self._outstanding_tokens,
+        )
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        if request.HasField("speculative"):
+            self.metrics.requests.labels("refused").inc()
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "prefill workers never speculate: the request carries speculative parameters "
+                f"(num_speculative_tokens={request.speculative.num_speculative_tokens})",
+            )
+        diffs = self.fingerprint.differences(fingerprint_from_pb(request.consumer_fingerprint))
+        if diffs:
+            self.metrics.requests.labels("refused").inc()
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "consumer fingerprint differs from this prefill worker's: " + "; ".join(diffs),
+            )
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = dataclasses.replace(params_from_pb(request.params), max_tokens=1)
+            self.engine._validate(prompt, params)
+        except ValueError as e:
+            self.metrics.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        max_bytes = min(request.max_message_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
+
+        q = self.aengine.open_stream(rid)
+        self.producer.register(rid, lambda chunk: self.aengine.deliver(rid, chunk), max_bytes)
+        self._outstanding_tokens += len(prompt)
+        self.metrics.live_transfers.inc()
+        t0 = time.monotonic()
+        finished = False
+        num_messages = payload = num_kv = num_state = 0
+        try:
+            cfg = self.engine.model_config
+            yield pb.HandoffChunk(
+                header=pb.HandoffHeader(
+                    producer_fingerprint=fingerprint_to_pb(self.fingerprint),
+                    num_prompt_tokens=len(prompt),
+                    page_size=self.engine.config.page_size,
+                    attention_layers=list(cfg.attention_layers),
+                    kda_layers=list(cfg.kda_layers),
+                )
+            )
+            num_messages += 1
+            await self.aengine.call(lambda e: e.add_request(prompt, params, request_id=rid))
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, RequestOutput):
+                    finished = True
+                    if item.finish_reason == "abort" or not item.output_token_ids:
+                        await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
+                    self.metrics.ttft.observe(time.monotonic() - t0)
+                    hashes = block_hashes(self.namespace, prompt, self.engine.config.page_size)
+                    yield pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=hashes))
+                    first = pb.FirstToken(has_logprob=bool(item.logprobs))
+                    first.token.token_id = item.output_token_ids[0]
+                    if item.logprobs:
+                        first.token.CopyFrom(logprobs_to_pb(item.logprobs[0]))
+                    yield pb.HandoffChunk(first_token=first)
+                    num_messages += 2
+                    yield pb.HandoffChunk(
+                        end=pb.HandoffEnd(
+                            num_messages=num_messages,
+                            payload_bytes=payload,
+                            num_kv_parts=num_kv,
+                            num_state_tensors=num_state,
+                        )
+                    )
+                    self.metrics.requests.labels("ok").inc()
+                    self.metrics.transfer_bytes.inc(payload)
+                    self.metrics.transfer_seconds.observe(time.monotonic() - t0)
+                    return
+                which = item.WhichOneof("payload")
+                if which == "kv":
+                    payload += len(item.kv.tensor.data)
+                    num_kv += 1
+                else:
+                    payload += len(item.state.tensor.data)
+                    num_state += 1
+                num_messages += 1
+                yield item
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("cancelled").inc()
+            raise
+        finally:
+            self.producer.unregister(rid)
+            self._outstanding_tokens -= len(prompt)
+            self.metrics.live_transfers.dec()
+            if not finished:  # consumer gone, deadline passed, or an error: free the blocks now
+                await asyncio.shield(self.aengine.abort(rid))
+            else:
+                self.aengine.close_stream(rid)

@@ -1,0 +1,149 @@
+"""A local P/D cluster: router + prefill and decode workers as separate processes on localhost.
+
+Used by `tandem serve` and by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_line: str = ""
+
+
+@dataclass
+class WorkerSpec:
+    role: str  # 'prefill' | 'decode'
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        model: str | Path,
+        workers: list[WorkerSpec] | None = None,
+        router_args: list[str] | None = None,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        log_dir: Path | None = None,
+        start_router: bool = True,
+    ) -> None:
+        self.model = str(model)
+        self.workers = workers or [WorkerSpec("prefill"), WorkerSpec("decode")]
+        for w in self.workers:
+            w.port = w.port or free_port()
+            w.metrics_port = w.metrics_port or free_port()
+        self.router_args = router_args or []
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.log_dir = log_dir
+        self.start_router = start_router
+        self.procs: list[Proc] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def worker(self, role: str, i: int = 0) -> WorkerSpec:
+        return [w for w in self.workers if w.role == role][i]
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        cmd = [sys.executable, "-m", "tandem.cli", *args]
+        err: IO | int | None = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            err = (self.log_dir / f"{name}.log").open("w")
+        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        proc = Proc(name, popen)
+        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _pump(proc: Proc) -> None:
+        assert proc.popen.stdout is not None
+        for line in proc.popen.stdout:
+            if line.startswith("TANDEM_READY") and not proc.ready.is_set():
+                proc.ready_line = line.strip()
+                proc.ready.set()
+            else:
+                sys.stdout.write(line)
+
+    def start_worker(self, w: WorkerSpec) -> Proc:
+        args = [w.role, "--model", self.model, "--port", str(w.port), "--metrics-port", str(w.metrics_port), *w.args]
+        return self._spawn(f"{w.role}-{w.port}", args)
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        workers = [self.start_worker(w) for w in self.workers]
+        self._wait(workers, timeout)
+        if self.start_router:
+            args = [
+                "router",
+                "--model",
+                self.model,
+                "--http-port",
+                str(self.http_port),
+                "--grpc-port",
+                str(self.grpc_port),
+            ]
+            for w in self.workers:
+                args += [f"--{w.role}", w.endpoint]
+            self._wait([self._spawn("router", args + self.router_args)], timeout)
+        return self
+
+    def _wait(self, procs: list[Proc], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            while not p.ready.wait(0.1):
+                if p.popen.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"{p.name} exited with code {p.popen.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"{p.name} not ready after {timeout} s")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,61 @@
+"""Start a worker process: engine on its thread, gRPC server, metrics, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.fingerprint import Fingerprint, compute_fingerprint
+from engine.llm_engine import LLMEngine
+from tandem.grpc_util import make_server, serve_until_signal
+from tandem.metrics import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def model_name_of(engine_config: EngineConfig) -> str:
+    return Path(engine_config.model).resolve().name
+
+
+async def run_worker(
+    role: str,
+    engine_config: EngineConfig,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    drain_seconds: float,
+    service_name: str,
+    add_service: Callable[[object, object], None],
+    build_service: Callable[[AsyncEngine, Fingerprint, WorkerMetrics, str], object],
+) -> None:
+    engine = LLMEngine(engine_config)
+    fingerprint = compute_fingerprint(engine_config.model, engine.model_config, engine.dtype, engine_config.page_size)
+    metrics = WorkerMetrics(role)
+    metrics.track_engine(
+        lambda: engine.pages.num_used,
+        lambda: engine.slots.num_used if engine.slots is not None else 0,
+        lambda: engine.num_outstanding,
+    )
+    if metrics_port is not None:
+        metrics.serve(metrics_port, host)
+    aengine = AsyncEngine(engine, asyncio.get_running_loop())
+    aengine.start()
+    service = build_service(aengine, fingerprint, metrics, model_name_of(engine_config))
+    server, health = make_server([service_name])
+    add_service(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"{role}: cannot bind {host}:{port}")
+    await server.start()
+    logger.info(
+        "%s worker on %s:%d (metrics %s), fingerprint %s", role, host, bound, metrics_port, fingerprint.digest[:16]
+    )
+    print(f"TANDEM_READY {role} {host}:{bound}", flush=True)
+    try:
+        await serve_until_signal(server, health, [service_name], drain_seconds)
+    finally:
+        aengine.stop()

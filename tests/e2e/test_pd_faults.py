@@ -1,0 +1,189 @@
+"""Failures between real processes: a producer killed mid-stream, corrupted or incomplete payloads,
+mismatched fingerprints. Each must end in a clear error, never in decoded tokens or held memory."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import openai
+import pytest
+
+from engine.tiny_model import make_tiny_model
+from tandem.cluster import LocalCluster, WorkerSpec
+from tandem.rpc import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from tests.conftest import random_prompts
+from tests.e2e.helpers import scrape, wait_all_free
+
+
+def _decode_request(prompt: list[int], prefill_endpoint: str, rid: str) -> decode_pb2.DecodeRequest:
+    req = decode_pb2.DecodeRequest(request_id=rid, prefill_endpoint=prefill_endpoint)
+    req.params.max_tokens = 8
+    req.params.ignore_eos = True
+    req.prefill.request_id = rid
+    req.prefill.prompt_token_ids.extend(prompt)
+    req.prefill.params.CopyFrom(req.params)
+    return req
+
+
+async def _decode(endpoint: str, req: decode_pb2.DecodeRequest) -> list[int]:
+    async with grpc.aio.insecure_channel(endpoint) as ch:
+        ids = []
+        async for chunk in decode_pb2_grpc.DecodeStub(ch).Generate(req, timeout=30):
+            ids += list(chunk.token_ids)
+        return ids
+
+
+class CorruptingProxy(prefill_pb2_grpc.PrefillServicer):
+    """Sits between decode and prefill; damages the stream on purpose."""
+
+    def __init__(self, upstream: str, mode: str) -> None:
+        self.upstream = upstream
+        self.mode = mode
+
+    async def Info(self, request, context):
+        async with grpc.aio.insecure_channel(self.upstream) as ch:
+            return await prefill_pb2_grpc.PrefillStub(ch).Info(request)
+
+    async def Prefill(self, request, context):
+        async with grpc.aio.insecure_channel(self.upstream) as ch:
+            damaged = False
+            async for msg in prefill_pb2_grpc.PrefillStub(ch).Prefill(request):
+                which = msg.WhichOneof("payload")
+                if not damaged and which in ("kv", "state"):
+                    damaged = True
+                    if self.mode == "flip":
+                        part = getattr(msg, which).tensor
+                        data = bytearray(part.data)
+                        data[len(data) // 2] ^= 0x40
+                        part.data = bytes(data)
+                    elif self.mode == "drop":
+                        continue
+                yield msg
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_models, tmp_path_factory):
+    other = make_tiny_model(tmp_path_factory.mktemp("other") / "kimi-seed1", arch="kimi_linear", seed=1)
+    c = LocalCluster(
+        tiny_models["kimi_linear"],
+        [WorkerSpec("prefill"), WorkerSpec("decode"), WorkerSpec("decode", ["--model", str(other)])],
+        log_dir=tmp_path_factory.mktemp("fault-logs"),
+        start_router=False,
+    )
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.mark.parametrize("mode,needle", [("flip", "checksum mismatch"), ("drop", "incomplete")])
+def test_damaged_handoff_is_refused_and_freed(workers, mode, needle):
+    p, d = workers.worker("prefill"), workers.worker("decode", 0)
+    prompt = random_prompts(1, [70], seed=21)[0]
+
+    async def run():
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServicer_to_server(CorruptingProxy(p.endpoint, mode), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _decode(d.endpoint, _decode_request(prompt, f"127.0.0.1:{port}", f"bad-{mode}"))
+            return err.value
+        finally:
+            await server.stop(0)
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.DATA_LOSS
+    assert needle in err.details()
+    m = scrape(d.metrics_port)
+    assert m["tandem_decode_pages_in_use"] == 0 and m["tandem_decode_slots_in_use"] == 0
+    # the same workers still serve an intact request
+    assert len(asyncio.run(_decode(d.endpoint, _decode_request(prompt, p.endpoint, f"ok-{mode}")))) == 8
+
+
+def test_fingerprint_mismatch_is_refused(workers):
+    p, other = workers.worker("prefill"), workers.worker("decode", 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(_decode(other.endpoint, _decode_request([5, 6, 7], p.endpoint, "fp")))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "fingerprint" in err.value.details() and "model_digest" in err.value.details()
+    assert scrape(other.metrics_port)["tandem_decode_pages_in_use"] == 0
+
+
+def test_prefill_killed_mid_stream_errors_within_2s(tiny_models, tmp_path):
+    # a small prefill budget makes the producer stream for a while; it is killed in the middle
+    c = LocalCluster(
+        tiny_models["kimi_linear"],
+        [WorkerSpec("prefill", ["--max-num-batched-tokens", "8"]), WorkerSpec("decode")],
+        log_dir=tmp_path / "logs",
+    )
+    c.start()
+    try:
+        p = c.worker("prefill")
+        client = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, timeout=30)
+        result: dict = {}
+
+        def call():
+            try:
+                client.completions.create(
+                    model=tiny_models["kimi_linear"].name, prompt=random_prompts(1, [2000], seed=22)[0], max_tokens=4
+                )
+                result["ok"] = True
+            except openai.APIError as e:
+                result["error"] = e
+            result["t"] = time.monotonic()
+
+        import threading
+
+        th = threading.Thread(target=call)
+        th.start()
+        deadline = time.monotonic() + 10
+        while scrape(p.metrics_port)["tandem_prefill_live_transfers"] < 1:
+            assert time.monotonic() < deadline, "prefill never started"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        proc = next(x for x in c.procs if x.name.startswith("prefill"))
+        proc.popen.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        th.join(10)
+        assert "error" in result, result
+        assert result["t"] - killed < 2.0, f"error after {result['t'] - killed:.2f} s"
+        assert result["error"].status_code in (502, 503), result["error"]
+        d = c.worker("decode")
+        deadline = time.monotonic() + 2
+        while (m := scrape(d.metrics_port))["tandem_decode_pages_in_use"] or m["tandem_decode_slots_in_use"]:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.02)
+    finally:
+        c.stop()
+
+
+def test_cancel_during_prefill_frees_both_sides(tiny_models, tmp_path):
+    c = LocalCluster(
+        tiny_models["kimi_linear"],
+        [WorkerSpec("prefill", ["--max-num-batched-tokens", "8"]), WorkerSpec("decode")],
+        log_dir=tmp_path / "logs",
+    )
+    c.start()
+    try:
+        p, d = c.worker("prefill"), c.worker("decode")
+
+        async def run():
+            async with grpc.aio.insecure_channel(d.endpoint) as ch:
+                call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                    _decode_request(random_prompts(1, [1500], seed=23)[0], p.endpoint, "cancel-me")
+                )
+                deadline = time.monotonic() + 10
+                while scrape(p.metrics_port)["tandem_prefill_live_transfers"] < 1:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                call.cancel()
+
+        asyncio.run(run())
+        ok, used, took = wait_all_free(c, 1.0)
+        assert ok, f"still in use after {took:.2f} s: {used}"
+    finally:
+        c.stop()
