@@ -8,6 +8,7 @@ of the two KDA paths and the carried short-conv window.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def one_shot(tiny_models) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize(("budget", "page_size"), [(7, 16), (16, 16), (33, 16), (1024, 16), (7, 5), (1, 16)])
+@pytest.mark.parametrize(
+    ("budget", "page_size"), [(7, 16), (16, 16), (33, 16), (1024, 16), (7, 5), (1, 16)]
+)
 def test_chunked_prefill_matches_one_shot(arch, model_dir, one_shot, budget, page_size):
     prompts = random_prompts(4, PROMPT_LENS, seed=3)
     eng = make_engine(model_dir, max_num_batched_tokens=budget, page_size=page_size)
@@ -76,7 +79,9 @@ def test_chunked_prefill_really_chunks(model_dir):
         sched_before = eng.scheduler.running[0].num_computed_tokens if eng.scheduler.running else 0
         eng.step()
         steps += 1
-        assert eng.scheduler.running[0].num_computed_tokens - sched_before == min(7, 90 - sched_before)
+        assert eng.scheduler.running[0].num_computed_tokens - sched_before == min(
+            7, 90 - sched_before
+        )
     assert steps == 13
     assert len(eng.scheduler.running[0].page_ids) == 6  # ceil(90 / 16)
 
@@ -124,6 +129,7 @@ def _tiny_pool_engine(model_dir: Path, num_pages: int, max_num_seqs: int = 4, **
         **kw,
     )
     assert eng.pages.capacity == num_pages
+    assert eng.cache.nbytes() == slot_bytes + num_pages * page_bytes  # the budget is the real size
     return eng
 
 
@@ -134,7 +140,10 @@ PREEMPT_LENS = [20, 25, 30, 35]  # +24 tokens each: 3+4+4+4 = 15 pages wanted, 8
 def test_preemption_recompute_gives_same_tokens(model_dir, seeded):
     prompts = random_prompts(4, PREEMPT_LENS, seed=6)
     if seeded:
-        params = [SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(4)]
+        params = [
+            SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True)
+            for i in range(4)
+        ]
     else:
         params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 4
     ref_engine = make_engine(model_dir)
@@ -150,7 +159,9 @@ def test_preemption_recompute_gives_same_tokens(model_dir, seeded):
     assert all(o.finish_reason == "length" for o in outs)
     _assert_all_freed(eng)
     if seeded:  # the sampled run must really have sampled, or this is just the greedy test again
-        greedy = make_engine(model_dir).generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        greedy = make_engine(model_dir).generate(
+            prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        )
         assert _tokens(outs) != _tokens(greedy)
 
 
@@ -172,20 +183,25 @@ def _kda_state_after_prefill(model_dir: Path, prompt: list[int], budget: int):
     )
 
 
-@pytest.mark.parametrize("n", [2, 64, 100])
+@pytest.mark.parametrize("n", [2, 64, 100, 150])
 def test_kda_state_chunked_equals_token_by_token(tiny_models, n):
+    """One chunk (chunked WY kernel) and 64/33-token pieces (WY with a carried state) end in the
+    same KDA state as feeding the prompt token by token (recurrent kernel). 150 tokens cross two
+    64-token WY chunk boundaries, so a state carried through a full chunk is checked too."""
     d = tiny_models["kimi_linear"]
     prompt = random_prompts(1, [n], seed=7 + n)[0]
-    rec_c, conv_c, tok_c = _kda_state_after_prefill(d, prompt, budget=1024)
     rec_r, conv_r, tok_r = _kda_state_after_prefill(d, prompt, budget=1)
-    assert tok_c == tok_r
-    for i in rec_c:
-        assert rec_c[i].abs().max() > 1e-3, "state is ~0: the comparison would be vacuous"
-        torch.testing.assert_close(rec_c[i], rec_r[i], atol=1e-5, rtol=0, msg=f"recurrent layer {i}")
-        torch.testing.assert_close(conv_c[i], conv_r[i], atol=1e-5, rtol=0, msg=f"conv layer {i}")
-        if n < 3:  # window of W-1=3 inputs, oldest first: the first 3-n entries are the zero padding
-            assert torch.all(conv_c[i][:, : 3 - n] == 0)
-            assert torch.all(conv_c[i][:, 3 - n :].abs().sum(0) > 0)
+    for budget in (1024, 64, 33):
+        rec_c, conv_c, tok_c = _kda_state_after_prefill(d, prompt, budget=budget)
+        assert tok_c == tok_r
+        for i in rec_c:
+            assert rec_c[i].abs().max() > 1e-3, "state is ~0: the comparison would be vacuous"
+            msg = f"budget {budget} layer {i}"
+            torch.testing.assert_close(rec_c[i], rec_r[i], atol=1e-5, rtol=0, msg=msg)
+            torch.testing.assert_close(conv_c[i], conv_r[i], atol=1e-5, rtol=0, msg=msg)
+            if n < 3:  # window of W-1=3 inputs, oldest first: the first 3-n are zero padding
+                assert torch.all(conv_c[i][:, : 3 - n] == 0)
+                assert torch.all(conv_c[i][:, 3 - n :].abs().sum(0) > 0)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -194,16 +210,18 @@ def _kda_inputs(t: int, seed: int, b: int = 2, h: int = 2, kd: int = 16, vd: int
     q = torch.randn(b, t, h, kd, generator=g)
     k = torch.randn(b, t, h, kd, generator=g)
     v = torch.randn(b, t, h, vd, generator=g)
-    g_raw = torch.randn(b, t, h * kd, generator=g)
-    a_log = torch.rand(h, generator=g).mul(3).log()
-    dt_bias = torch.randn(h * kd, generator=g) * 0.5
-    gate = kda_gate(g_raw, a_log, dt_bias, kd)
+    # decay as in the model: A in [1, 16], dt in [1e-3, 1e-1] (stored inverse-softplus), so some
+    # channels keep their state across several 64-token chunks and the carried state matters
+    g_raw = torch.randn(b, t, h * kd, generator=g) * 0.3
+    a_log = (torch.rand(h, generator=g) * 15 + 1).log()
+    dt = torch.exp(torch.rand(h * kd, generator=g) * math.log(100) + math.log(1e-3))
+    gate = kda_gate(g_raw, a_log, dt + torch.log(-torch.expm1(-dt)), kd)
     beta = torch.rand(b, t, h, generator=g)
     s0 = torch.randn(b, h, kd, vd, generator=g)
     return q, k, v, gate, beta, s0
 
 
-@pytest.mark.parametrize("t", [1, 2, 63, 64, 65, 130])
+@pytest.mark.parametrize("t", [1, 2, 63, 64, 65, 130, 200])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_kda_equals_recurrent(t, with_state):
     q, k, v, g, beta, s0 = _kda_inputs(t, seed=t)
@@ -268,12 +286,16 @@ def test_stop_token_ids(model_dir):
     full = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
     assert full.finish_reason == "length" and len(full.output_token_ids) == 20
     i, x = _pick_stop_token(full.output_token_ids, 5)
-    out = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(x,)))[0]
+    out = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(x,)))[
+        0
+    ]
     assert out.output_token_ids == full.output_token_ids[: i + 1]
     assert out.output_token_ids[-1] == x
     assert out.finish_reason == "stop"
     # a stop token that only occurs in the prompt does not stop generation
-    out = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(prompt[-1],)))[0]
+    out = eng.generate(
+        [prompt], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(prompt[-1],))
+    )[0]
     if prompt[-1] not in full.output_token_ids[:5]:
         assert out.output_token_ids == full.output_token_ids[:5] and out.finish_reason == "length"
     _assert_all_freed(eng)
@@ -301,7 +323,9 @@ def test_eos_stops_and_ignore_eos(model_dir, tmp_path):
     out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     assert out.output_token_ids == full and out.finish_reason == "length"
     # ignore_eos does not switch off explicit stop tokens
-    out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(x,)))[0]
+    out = eng.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(x,))
+    )[0]
     assert out.output_token_ids == full[: i + 1] and out.finish_reason == "stop"
     _assert_all_freed(eng)
 
@@ -316,7 +340,9 @@ def test_max_tokens_and_max_model_len(model_dir):
 
     short = make_engine(model_dir, max_model_len=40)
     assert short.max_model_len == 40
-    out = short.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    out = short.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert out.output_token_ids == full.output_token_ids[:10]  # 30 + 10 = max_model_len
     assert out.finish_reason == "length"
     # a prompt of max_model_len - 1 tokens gets exactly one token
@@ -392,5 +418,8 @@ def test_abort_waiting_request(model_dir):
     assert not eng.scheduler.waiting
     done = _run_to_end(eng)
     assert set(done) == {"a"}
-    assert done["a"].output_token_ids == make_engine(model_dir).generate([prompts[0]], params)[0].output_token_ids
+    assert (
+        done["a"].output_token_ids
+        == make_engine(model_dir).generate([prompts[0]], params)[0].output_token_ids
+    )
     _assert_all_freed(eng)

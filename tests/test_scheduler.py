@@ -5,6 +5,8 @@ Page size 4 throughout, so a request with n tokens holds ceil(n / 4) pages.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.cache.allocator import BlockAllocator, OutOfBlocksError
@@ -24,7 +26,9 @@ def make_scheduler(
     num_slots: int | None = None,
     max_model_len: int = 64,
 ) -> Scheduler:
-    cfg = EngineConfig(model="unused", page_size=PS, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    cfg = EngineConfig(
+        model="unused", page_size=PS, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs
+    )
     pages = BlockAllocator("kv pages", num_pages)
     slots = BlockAllocator("kda slots", num_slots) if num_slots is not None else None
     return Scheduler(cfg, max_model_len, (EOS,), pages, slots)
@@ -270,6 +274,18 @@ def test_no_admission_in_a_step_that_preempted():
     out = s.schedule()
     assert out.preempted == [b] and chunks(out) == [("a", 8, 1)] and a.page_ids == [0, 1, 2]
     assert list(s.waiting) == [b, c]  # the preempted request goes first in line
+
+
+def test_preempted_request_not_readmitted_in_the_same_step():
+    s, a, b = _two_full_requests()
+    # a small budget: b's first recompute chunk (1 token, 1 page) would fit right after preemption
+    s.config = dataclasses.replace(s.config, max_num_batched_tokens=2)
+    out = s.schedule()
+    assert out.preempted == [b] and chunks(out) == [("a", 8, 1)]
+    assert list(s.waiting) == [b] and b.page_ids == [] and a.page_ids == [0, 1, 2]
+    s.postprocess(out, {"a": (7, None)})
+    out = s.schedule()
+    assert chunks(out) == [("a", 9, 1), ("b", 0, 1)] and b.page_ids == [3]
 
 
 # ---- finishing and abort -----------------------------------------------------------------------

@@ -34,7 +34,7 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SpeculativeParams(_message.Message):
     __slots__ = ("num_speculative_tokens",)
@@ -102,4 +102,4 @@ class WorkerInfo(_message.Message):
     outstanding_requests: int
     outstanding_tokens: int
     version: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., speculative: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., model_name: _Optional[str] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., speculative: bool = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., outstanding_requests: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...

@@ -6,7 +6,7 @@ import warnings
 from tandem.rpc import common_pb2 as common__pb2
 from tandem.rpc import decode_pb2 as decode__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class DecodeStub:
+class DecodeStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -47,7 +47,7 @@ class DecodeStub:
                 _registered_method=True)
 
 
-class DecodeServicer:
+class DecodeServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
@@ -83,7 +83,7 @@ def add_DecodeServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Decode:
+class Decode(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -113,7 +113,7 @@ class FirstToken(_message.Message):
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token: _common_pb2.TokenLogprob
     has_logprob: bool
-    def __init__(self, token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: _Optional[bool] = ...) -> None: ...
+    def __init__(self, token: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., has_logprob: bool = ...) -> None: ...
 
 class HandoffEnd(_message.Message):
     __slots__ = ("num_messages", "payload_bytes", "num_kv_parts", "num_state_tensors")

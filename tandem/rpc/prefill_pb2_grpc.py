@@ -6,7 +6,7 @@ import warnings
 from tandem.rpc import common_pb2 as common__pb2
 from tandem.rpc import prefill_pb2 as prefill__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class PrefillStub:
+class PrefillStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -47,7 +47,7 @@ class PrefillStub:
                 _registered_method=True)
 
 
-class PrefillServicer:
+class PrefillServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Info(self, request, context):
@@ -84,7 +84,7 @@ def add_PrefillServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Prefill:
+class Prefill(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
