@@ -31,6 +31,13 @@ class EngineConfig:
     """Seed of requests that sample without their own seed."""
     load_progress: bool = False
     """Show a progress bar while loading weights."""
+    enable_prefix_caching: bool = False
+    """Keep full pages (and KDA checkpoints at rungs) by block hash and reuse them across requests."""
+    kda_checkpoint_pages: int = 4
+    """Rung interval in pages: KDA state is checkpointed every this many pages (x page_size must be
+    a multiple of the KDA chunk, 64)."""
+    num_checkpoint_slots: int | None = None
+    """KDA state slots kept for checkpoints (default: 2 x max_num_seqs when prefix caching)."""
     cpu_threads: int = 1
     """torch intra-op threads on CPU. 1 by default: the tiny models' ops are microseconds long and
     extra threads spin against the other processes of a local cluster (measured ~70x slower)."""

@@ -20,13 +20,15 @@ class ForwardBatch:
     query_start_loc: list[int]  # [N + 1]
     context_lens: list[int]  # [N] tokens cached after this step
     block_tables: list[torch.Tensor]  # N x [pages] int64
-    slot_mapping: torch.Tensor  # [T] flat KV row (page * page_size + offset) for each new token
+    slot_mapping: torch.Tensor  # [T] flat KV row (page * page_size + offset); -1: KV reused from the prefix cache
     state_slots: list[int]  # [N] KDA slot of each sequence (-1 without KDA layers)
     has_initial_state: list[bool]  # [N] False on a request's first chunk: start from zero state
     logits_indices: torch.Tensor  # [S] rows whose next-token logits are needed
     request_ids: list[str] = field(default_factory=list)  # [N]
     chunk_starts: list[int] = field(default_factory=list)  # [N] tokens cached before this step
     completes_prompt: list[bool] = field(default_factory=list)  # [N] this chunk reaches the last known token
+    checkpoints: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    """[N] (rung position, slot): after that many tokens, copy the KDA state (recurrent + conv) to slot."""
 
     @property
     def num_seqs(self) -> int:

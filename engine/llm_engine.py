@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from engine.backends import select_backends
+from engine.block_hash import namespace
 from engine.cache.allocator import BlockAllocator
 from engine.cache.budget import cache_budget_bytes, plan_cache
+from engine.cache.prefix_cache import PrefixCache
 from engine.cache.tensors import CacheTensors
 from engine.config import EngineConfig
+from engine.fingerprint import model_digest
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
@@ -76,7 +80,17 @@ class LLMEngine:
         self.cache = CacheTensors(self.model_config, layout, self.dtype, self.device)
         self.pages = BlockAllocator("kv pages", layout.num_pages)
         self.slots = BlockAllocator("kda slots", layout.num_slots) if self.model_config.kda_layers else None
-        self.scheduler = Scheduler(config, self.max_model_len, self.model_config.eos_token_ids, self.pages, self.slots)
+        self.prefix_cache: PrefixCache | None = None
+        self.namespace_digest = ""
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.pages, self.slots, config.page_size, config.kda_checkpoint_pages)
+            self.namespace_digest = model_digest(config.model)
+        self.scheduler = Scheduler(
+            config, self.max_model_len, self.model_config.eos_token_ids, self.pages, self.slots, self.prefix_cache
+        )
+        self.filing_hooks: list[Callable[[list[tuple[bytes, int]], list[tuple[bytes, int]]], None]] = []
+        """Called on the engine thread after each step with the (hash, page) and (hash, slot) filed
+        in it, while their contents are still in place (the prefix tier copies them out here)."""
         self.runner = ModelRunner(self.model, self.cache, self.device, config.page_size)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, Request] = {}
@@ -109,7 +123,11 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
-        self, prompt: list[int] | str, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: list[int] | str,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
     ) -> str:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -118,6 +136,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params)
+        req.hash_namespace = namespace(self.namespace_digest, cache_salt)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
@@ -225,11 +244,21 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        for c in sched.chunks:  # state fork: a prefix hit's checkpoint becomes the request's own state
+            if c.request.fork_slot is not None:
+                self.cache.copy_slot(c.request.fork_slot, c.request.slot_ids[0])
+                self.slots.free([c.request.fork_slot])
+                c.request.fork_slot = None
         logits = self.runner.execute(sched.chunks)
         sampling = [c.request for c in sched.chunks if c.samples]
         drawn = self.sampler.sample(logits, sampling)
         sampled = {r.request_id: d for r, d in zip(sampling, drawn, strict=True)}
         updated = self.scheduler.postprocess(sched, sampled)
+        if self.scheduler.filed_pages or self.scheduler.filed_checkpoints:
+            pages, ckpts = self.scheduler.filed_pages, self.scheduler.filed_checkpoints
+            self.scheduler.filed_pages, self.scheduler.filed_checkpoints = [], []
+            for hook in self.filing_hooks:
+                hook(pages, ckpts)
         outputs = [self._output(r) for r in updated]
         for r in updated:
             if r.is_finished:

@@ -23,14 +23,16 @@ class ModelRunner:
         slot_mapping: list[int] = []
         qsl = [0]
         ctx, tables, slots, has_init, logits_idx = [], [], [], [], []
-        rids, starts, completes = [], [], []
+        rids, starts, completes, cks = [], [], [], []
         ps = self.page_size
         for c in chunks:
             req = c.request
             end = c.start + c.num_tokens
             ids.extend(req.all_token_ids[c.start : end])
             positions.extend(range(c.start, end))
-            slot_mapping.extend(req.page_ids[p // ps] * ps + p % ps for p in range(c.start, end))
+            slot_mapping.extend(
+                req.page_ids[p // ps] * ps + p % ps if p >= req.kv_cached_tokens else -1 for p in range(c.start, end)
+            )
             qsl.append(qsl[-1] + c.num_tokens)
             ctx.append(end)
             tables.append(torch.tensor(req.page_ids, dtype=torch.int64, device=self.device))
@@ -41,6 +43,7 @@ class ModelRunner:
             rids.append(req.request_id)
             starts.append(c.start)
             completes.append(c.samples)
+            cks.append(c.checkpoints)
 
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=self.device)
@@ -58,6 +61,7 @@ class ModelRunner:
             request_ids=rids,
             chunk_starts=starts,
             completes_prompt=completes,
+            checkpoints=cks,
         )
 
     @torch.inference_mode()

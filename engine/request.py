@@ -37,6 +37,17 @@ class Request:
         self.slot_ids: list[int] = []
         """KDA state slots; slot_ids[0] holds the running state."""
         self.num_preemptions = 0
+        # prefix caching
+        self.hash_namespace = b""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of the full pages so far (computed lazily)."""
+        self.kv_cached_tokens = 0
+        """KV of positions below this came from the prefix cache and is not rewritten."""
+        self.fork_slot: int | None = None
+        """Checkpoint slot to copy into slot_ids[0] before the next step runs."""
+        self.pending_checkpoints: list[tuple[int, int]] = []
+        """(rung position, slot) written by the running step, filed when it ends (checkpoint hold)."""
+        self.prefix_hit_tokens = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
 

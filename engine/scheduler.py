@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cache.allocator import BlockAllocator
+from engine.cache.prefix_cache import PrefixCache, PrefixHit
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus, TokenLogprobs
 
@@ -22,6 +23,8 @@ class ScheduledChunk:
     start: int
     """Tokens already cached before this step."""
     num_tokens: int
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    """(rung position, slot): KDA state after that many tokens goes to that slot this step."""
 
     @property
     def samples(self) -> bool:
@@ -47,12 +50,16 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         pages: BlockAllocator,
         slots: BlockAllocator | None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.pages = pages
         self.slots = slots
+        self.prefix = prefix
+        self.filed_pages: list[tuple[bytes, int]] = []
+        self.filed_checkpoints: list[tuple[bytes, int]] = []
         self.page_size = config.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -89,6 +96,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.pending_checkpoints:  # checkpoint hold: never run ahead of an unfiled rung
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._reserve_pages(req, req.num_computed_tokens + n):
                 victim = self.running.pop()  # youngest first
@@ -97,26 +107,57 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                out.chunks.append(self._chunk(req, n))
                 budget -= n
                 i += 1
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.slots is not None and not self.slots.can_allocate(1):
                 break
+            hit = self._match_prefix(req)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve_pages(req, req.num_computed_tokens + n):
+                if hit is not None:
+                    self._undo_match(req, hit)
                 break
             if self.slots is not None:
                 req.slot_ids = self.slots.allocate(1)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            out.chunks.append(self._chunk(req, n))
             budget -= n
         return out
+
+    def _match_prefix(self, req: Request) -> PrefixHit | None:
+        if self.prefix is None or req.num_computed_tokens or req.page_ids:
+            return None
+        hit = self.prefix.match(req)
+        req.page_ids = list(hit.pages)
+        req.num_computed_tokens = hit.resume_tokens
+        req.kv_cached_tokens = hit.kv_tokens
+        req.fork_slot = hit.checkpoint_slot
+        req.prefix_hit_tokens = hit.kv_tokens
+        return hit
+
+    def _undo_match(self, req: Request, hit: PrefixHit) -> None:
+        self.pages.free(req.page_ids)  # the hit's shared pages plus any reserved after them
+        if hit.checkpoint_slot is not None:
+            self.slots.free([hit.checkpoint_slot])
+        req.page_ids, req.fork_slot = [], None
+        req.num_computed_tokens = req.kv_cached_tokens = req.prefix_hit_tokens = 0
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        cks: list[tuple[int, int]] = []
+        if self.prefix is not None and self.slots is not None:
+            for pos in self.prefix.rungs_in(start, start + n):
+                if not self.prefix.checkpoint_exists(req, pos) and self.slots.can_allocate(1):
+                    cks.append((pos, self.slots.allocate(1)[0]))
+        req.pending_checkpoints = cks
+        return ScheduledChunk(req, start, n, tuple(cks))
 
     def _reserve_pages(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.page_size) - len(req.page_ids)
@@ -130,9 +171,13 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.pages.free(req.page_ids)
         req.page_ids = []
-        if self.slots is not None and req.slot_ids:
-            self.slots.free(req.slot_ids)
-        req.slot_ids = []
+        if self.slots is not None:
+            held = req.slot_ids + [s for _, s in req.pending_checkpoints]
+            if req.fork_slot is not None:
+                held.append(req.fork_slot)
+            self.slots.free(held)
+        req.slot_ids, req.pending_checkpoints, req.fork_slot = [], [], None
+        req.kv_cached_tokens = 0
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -151,6 +196,8 @@ class Scheduler:
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += chunk.num_tokens
+            if self.prefix is not None:
+                self._file(req, chunk)
             if not chunk.samples:
                 continue
             token, logprobs = sampled[req.request_id]
@@ -162,6 +209,15 @@ class Scheduler:
                 self._finish(req, reason)
             updated.append(req)
         return updated
+
+    def _file(self, req: Request, chunk: ScheduledChunk) -> None:
+        """File what this step completed: full pages, then the rung checkpoints (releasing the hold)."""
+        self.filed_pages += self.prefix.file_pages(req, chunk.start, chunk.start + chunk.num_tokens)
+        for pos, slot in req.pending_checkpoints:
+            h = self.prefix.file_checkpoint(req, pos, slot)
+            if h is not None:
+                self.filed_checkpoints.append((h, slot))
+        req.pending_checkpoints = []
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params

@@ -21,7 +21,8 @@ class MLADims:
 class AttentionBackend(ABC):
     @abstractmethod
     def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
-        """Store this step's per-token entries [T, *entry] into their pages."""
+        """Store this step's per-token entries [T, *entry] into their pages; rows whose
+        batch.slot_mapping is -1 are skipped (their KV is reused from the prefix cache)."""
 
     @abstractmethod
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -46,7 +47,8 @@ class KDABackend(ABC):
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """Depthwise causal conv + SiLU of x [T, C] with weight [C, W]; reads and updates each
-        sequence's window in conv_cache[slot] ([slots, C, W-1])."""
+        sequence's window in conv_cache[slot] ([slots, C, W-1]). For each (pos, dst) in
+        batch.checkpoints[i], also writes the window after `pos` tokens to conv_cache[dst]."""
 
     @abstractmethod
     def recurrence(
@@ -60,7 +62,9 @@ class KDABackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """KDA over q, k, g [T, H, K], v [T, H, V], beta [T, H] (q/k un-normalised; g log-decay);
-        reads and updates state_cache[slot] ([slots, H, K, V] fp32). Returns o [T, H, V] fp32."""
+        reads and updates state_cache[slot] ([slots, H, K, V] fp32). Returns o [T, H, V] fp32.
+        For each (pos, dst) in batch.checkpoints[i], also writes the state after `pos` tokens to
+        state_cache[dst] (rung checkpoints for the prefix cache)."""
 
 
 class MoEBackend(ABC):

@@ -47,9 +47,17 @@ class TorchKDABackend(KDABackend):
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         out = torch.empty_like(x)
+        w = weight.shape[1]
         for i, slot in enumerate(batch.state_slots):
             s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
             window = conv_cache[slot] if batch.has_initial_state[i] else None
+            start = batch.context_lens[i] - (e - s)
+            if batch.checkpoints and batch.checkpoints[i]:
+                # the window after k tokens of this chunk is columns k .. k+W-2 of [window | x^T]
+                prev = window if window is not None else x.new_zeros(x.shape[1], w - 1)
+                xs = torch.cat([prev.to(x.dtype), x[s:e].t()], dim=-1)
+                for pos, dst in batch.checkpoints[i]:
+                    conv_cache[dst] = xs[:, pos - start : pos - start + w - 1]
             out[s:e], conv_cache[slot] = naive_short_conv(x[s:e], weight, window)
         return out
 
@@ -70,14 +78,29 @@ class TorchKDABackend(KDABackend):
                 q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state_cache[slots]
             )
             state_cache[slots] = state
+            for i, cks in enumerate(batch.checkpoints):
+                for _, dst in cks:  # a one-token chunk's rung is its end
+                    state_cache[dst] = state[i]
             return o[:, 0]
         out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
         for i, slot in enumerate(batch.state_slots):
             s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-            init = state_cache[slot : slot + 1] if batch.has_initial_state[i] else None
-            fn = naive_recurrent_kda if e - s == 1 else naive_chunk_kda
-            o, state = fn(q[None, s:e], k[None, s:e], v[None, s:e], g[None, s:e], beta[None, s:e], init)
-            out[s:e] = o[0]
+            start = batch.context_lens[i] - (e - s)
+            state = state_cache[slot : slot + 1] if batch.has_initial_state[i] else None
+            # split the chunk at its rungs, so the state at each rung can be filed
+            cks = batch.checkpoints[i] if batch.checkpoints else ()
+            bounds = [s + pos - start for pos, _ in cks]
+            seg_start = s
+            for seg_end in [*bounds, e]:
+                if seg_end > seg_start:
+                    fn = naive_recurrent_kda if seg_end - seg_start == 1 else naive_chunk_kda
+                    sl = slice(seg_start, seg_end)
+                    o, state = fn(q[None, sl], k[None, sl], v[None, sl], g[None, sl], beta[None, sl], state)
+                    out[sl] = o[0]
+                seg_start = seg_end
+                for pos, dst in cks:
+                    if s + pos - start == seg_end:
+                        state_cache[dst] = state[0]
             state_cache[slot] = state[0]
         return out
 

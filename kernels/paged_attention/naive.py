@@ -13,7 +13,11 @@ import torch
 
 
 def scatter_pages(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
-    """Write entries [T, *entry] at flat rows slot_mapping [T] (page * page_size + offset)."""
+    """Write entries [T, *entry] at flat rows slot_mapping [T] (page * page_size + offset);
+    rows with slot -1 are not written (their KV is already cached)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, entries = slot_mapping[keep], entries[keep]
     cache.view(-1, *cache.shape[2:])[slot_mapping] = entries.to(cache.dtype)
 
 
