@@ -9,7 +9,9 @@ MODEL_DIR := .models/tiny-kimi-linear
 setup: $(VENV)/.installed
 
 # torch first, pinned: its CPU build lies on disk; an open range would pull a CUDA build.
+# redis-server: the prefix-index tests start their own on a free port.
 $(VENV)/.installed: pyproject.toml
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'

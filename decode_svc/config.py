@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SpeculativeConfig
+from kvstore.store import PrefixStoreConfig
 
 
 @dataclass(frozen=True)
@@ -15,5 +16,7 @@ class DecodeConfig:
     metrics_port: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     drain_seconds: float = 10.0
+    prefix_store: PrefixStoreConfig | None = None
+    """The shared prefix tier + index; used when engine.enable_prefix_caching is set."""
     reserve_timeout_s: float = 30.0
     """How long a request waits for free pages/slots before RESOURCE_EXHAUSTED."""

@@ -23,6 +23,7 @@ def run(config: DecodeConfig) -> None:
             config.drain_seconds,
             SERVICE_NAME,
             decode_pb2_grpc.add_DecodeServicer_to_server,
-            lambda ae, fp, m, name: DecodeService(config, ae, fp, m, name),
+            lambda ae, fp, m, name, store: DecodeService(config, ae, fp, m, name, store),
+            config.prefix_store,
         )
     )

@@ -21,6 +21,7 @@ from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError
 from engine.kv_transfer.consumer import HandoffConsumer
 from engine.llm_engine import ImportReservation, RequestOutput
+from kvstore.store import PrefixStore
 from prefill_svc.service import fingerprint_to_pb
 from tandem.convert import logprobs_to_pb, params_from_pb
 from tandem.grpc_util import channel
@@ -46,8 +47,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         fingerprint: Fingerprint,
         metrics: WorkerMetrics,
         model_name: str,
+        store: PrefixStore | None = None,
     ) -> None:
         self.config = config
+        self.store = store
         self.aengine = aengine
         self.engine = aengine.engine
         self.fingerprint = fingerprint
@@ -102,7 +105,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         try:
             result = await self._pull(request, res, context)
             out: RequestOutput = await self.aengine.call(
-                lambda e: e.insert_prefilled(res, prompt, params, result.first_token, result.first_logprobs)
+                lambda e: e.insert_prefilled(
+                    res, prompt, params, result.first_token, result.first_logprobs, request.prefill.cache_salt
+                )
             )
             inserted = True
             self.metrics.ttft.observe(time.monotonic() - t0)

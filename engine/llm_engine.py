@@ -193,13 +193,19 @@ class LLMEngine:
         params: SamplingParams,
         first_token: int,
         first_logprobs: TokenLogprobs | None,
+        cache_salt: str = "",
     ) -> RequestOutput:
         """Continue a request from a producer's state: its prompt is cached, its first token sampled."""
         if self._reservations.pop(res.request_id, None) is None:
             raise InvalidRequestError(f"no reservation for request {res.request_id!r}")
         req = Request(res.request_id, prompt_ids, params)
+        req.hash_namespace = namespace(self.namespace_digest, cache_salt)
         req.page_ids, req.slot_ids = res.page_ids, res.slot_ids
         req.num_computed_tokens = res.num_prompt_tokens
+        if self.prefix_cache is not None:  # the received prompt pages become reusable here too
+            filed = self.prefix_cache.file_pages(req, 0, res.num_prompt_tokens)
+            for hook in self.filing_hooks:
+                hook(filed, [])
         req.output_token_ids.append(first_token)
         if first_logprobs is not None:
             req.output_logprobs.append(first_logprobs)
@@ -285,7 +291,14 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        order = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        order: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                order.append(self.add_request(p, sp))
+        except Exception:  # all or nothing: don't leave earlier prompts running under unseen ids
+            for rid in order:
+                self.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
         while self.has_unfinished_requests():

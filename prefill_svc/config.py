@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SpeculativeConfig
+from kvstore.store import PrefixStoreConfig
 
 
 class ProducerSpeculationError(ValueError):
@@ -19,6 +20,8 @@ class PrefillConfig:
     metrics_port: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     drain_seconds: float = 10.0
+    prefix_store: PrefixStoreConfig | None = None
+    """The shared prefix tier + index; used when engine.enable_prefix_caching is set."""
     max_message_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ def run(config: PrefillConfig) -> None:
             config.drain_seconds,
             SERVICE_NAME,
             prefill_pb2_grpc.add_PrefillServicer_to_server,
-            lambda ae, fp, m, name: PrefillService(config, ae, fp, m, name),
+            lambda ae, fp, m, name, store: PrefillService(config, ae, fp, m, name, store),
+            config.prefix_store,
         )
     )

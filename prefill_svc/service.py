@@ -16,6 +16,7 @@ from engine.fingerprint import Fingerprint
 from engine.kv_transfer.consumer import fingerprint_from_pb
 from engine.kv_transfer.producer import HandoffProducer
 from engine.llm_engine import RequestOutput
+from kvstore.store import PrefixStore
 from prefill_svc.config import PrefillConfig
 from tandem.convert import logprobs_to_pb, params_from_pb
 from tandem.metrics import WorkerMetrics
@@ -45,14 +46,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         fingerprint: Fingerprint,
         metrics: WorkerMetrics,
         model_name: str,
+        store: PrefixStore | None = None,
     ) -> None:
         self.config = config
+        self.store = store
         self.aengine = aengine
         self.engine = aengine.engine
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.model_name = model_name
-        self.namespace = namespace(fingerprint.model_digest)
+        self.namespace_digest = fingerprint.model_digest
         self.producer = HandoffProducer(self.engine.model_config, self.engine.cache, self.engine.config.page_size)
         self.engine.model.layer_hooks.append(self.producer.on_layer)
         self._outstanding_tokens = 0
@@ -112,7 +115,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 )
             )
             num_messages += 1
-            await self.aengine.call(lambda e: e.add_request(prompt, params, request_id=rid))
+            salt = request.cache_salt
+            if self.store is not None:  # bring a prefix computed elsewhere into this device's cache
+                await self.store.load(self.aengine, prompt, salt)
+            await self.aengine.call(lambda e: e.add_request(prompt, params, request_id=rid, cache_salt=salt))
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -122,7 +128,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     if item.finish_reason == "abort" or not item.output_token_ids:
                         await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
                     self.metrics.ttft.observe(time.monotonic() - t0)
-                    hashes = block_hashes(self.namespace, prompt, self.engine.config.page_size)
+                    ns = namespace(self.namespace_digest, request.cache_salt)
+                    hashes = block_hashes(ns, prompt, self.engine.config.page_size)
                     yield pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=hashes))
                     first = pb.FirstToken(has_logprob=bool(item.logprobs))
                     first.token.token_id = item.output_token_ids[0]

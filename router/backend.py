@@ -38,6 +38,8 @@ class GenerationRequest:
     speculative: SpeculativeParams | None = None
     deadline_s: float | None = None
     """Seconds the whole request may take; None: no deadline."""
+    cache_salt: str = ""
+    """Separates this request's prefix-cache namespace (e.g. per tenant)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from engine.model_config import load_model_config
 from engine.tokenizer import Tokenizer
+from kvstore.index import RedisIndex
 from router.grpc_api import RouterService
 from router.openai_api import HttpMetrics, build_app, run_http
 from router.pd_backend import PDBackend
@@ -34,6 +35,8 @@ class RouterConfig:
     served_model_name: str | None = None
     worker_wait_s: float = 120.0
     drain_seconds: float = 10.0
+    redis_url: str | None = None
+    """The prefix index shared with the prefill workers: enables prefix-aware routing."""
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -41,9 +44,15 @@ class RouterConfig:
             raise ValueError("the router needs at least one --prefill and one --decode worker")
 
 
-def _router_metrics(registry: WorkerRegistry) -> HttpMetrics:
-    """HTTP metrics plus the router's view of each worker's outstanding work."""
+def _router_metrics(registry: WorkerRegistry, backend: PDBackend) -> HttpMetrics:
+    """HTTP metrics plus the router's view of each worker's outstanding work and of prefix routing."""
     reg = CollectorRegistry()
+    Gauge(
+        "tandem_router_prefix_routed", "Requests routed to the worker with a resident prefix", registry=reg
+    ).set_function(lambda: backend.routed_by_prefix)
+    Gauge(
+        "tandem_router_prefix_fallbacks", "Requests routed by load only (no hit or index down)", registry=reg
+    ).set_function(lambda: backend.prefix_fallbacks)
     for role in ("prefill", "decode"):
         g = Gauge(f"tandem_router_{role}_outstanding_requests", f"Requests at {role} workers", ["worker"], registry=reg)
         for w in getattr(registry, role):
@@ -61,9 +70,9 @@ async def run_router(config: RouterConfig) -> None:
         await registry.register(ep, "decode", wait_s=config.worker_wait_s)
     name = config.served_model_name or registry.prefill[0].info.model_name
     max_len = registry.max_model_len or model_cfg.max_position_embeddings
-    backend = PDBackend(registry)
+    backend = PDBackend(registry, RedisIndex(config.redis_url) if config.redis_url else None)
 
-    app = build_app(backend, tokenizer, name, max_len, metrics=_router_metrics(registry))
+    app = build_app(backend, tokenizer, name, max_len, metrics=_router_metrics(registry, backend))
     runner = await run_http(app, config.host, config.http_port)
 
     server, health = None, None

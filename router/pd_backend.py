@@ -3,13 +3,16 @@ decode worker to pull from the prefill worker, relay its token stream."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.block_hash import block_hashes, namespace
+from kvstore.index import IndexUnavailableError, PrefixIndex
 from router.backend import GenerationError, GenerationRequest, TokenEvent
-from router.workers import WorkerRegistry
+from router.workers import Worker, WorkerRegistry
 from tandem.convert import logprobs_from_pb, params_to_pb
 from tandem.rpc import common_pb2 as cpb
 from tandem.rpc import decode_pb2, prefill_pb2
@@ -33,6 +36,7 @@ def build_prefill_request(req: GenerationRequest) -> prefill_pb2.PrefillRequest:
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         params=params_to_pb(req.params),
+        cache_salt=req.cache_salt,
     )
 
 
@@ -49,11 +53,41 @@ def build_decode_request(req: GenerationRequest, prefill_endpoint: str) -> decod
 
 
 class PDBackend:
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, index: PrefixIndex | None = None) -> None:
         self.registry = registry
+        self.index = index
+        self.routed_by_prefix = 0
+        self.prefix_fallbacks = 0
+        """Requests routed by load only although prefix routing is on (no hit, or the index failed)."""
+
+    async def _pick_prefill(self, req: GenerationRequest) -> Worker:
+        """Least (tokens left to compute + tokens already queued): a long resident prefix wins unless
+        that worker is busy enough to lose its advantage."""
+        workers = self.registry.prefill
+        if self.index is None or len(workers) < 2:
+            return self.registry.pick_prefill()
+        info = workers[0].info.fingerprint
+        ps = info.page_size
+        ids = req.prompt_token_ids
+        hashes = block_hashes(namespace(info.model_digest, req.cache_salt), ids[: len(ids) - 1], ps)
+        try:
+            hits = await asyncio.to_thread(lambda: [self.index.resident_prefix(w.endpoint, hashes) for w in workers])
+        except IndexUnavailableError as e:
+            logger.warning("prefix routing falls back to load: %s", e)
+            self.prefix_fallbacks += 1
+            return self.registry.pick_prefill()
+        if not any(hits):
+            self.prefix_fallbacks += 1
+            return self.registry.pick_prefill()
+        self.routed_by_prefix += 1
+        costs = [
+            (len(ids) - hit * ps + w.outstanding_tokens, i)
+            for i, (w, hit) in enumerate(zip(workers, hits, strict=True))
+        ]
+        return workers[min(costs)[1]]
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        p = self.registry.pick_prefill()
+        p = await self._pick_prefill(req)
         d = self.registry.pick_decode()
         n = len(req.prompt_token_ids)
         p.outstanding_tokens += n

@@ -33,6 +33,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--enable-prefix-caching", action="store_true", help="reuse prefixes (device cache + tier)")
+    p.add_argument("--kda-checkpoint-pages", type=int, default=4, help="KDA checkpoint rung interval in pages")
 
 
 def engine_config_from_args(a: argparse.Namespace):
@@ -49,6 +51,8 @@ def engine_config_from_args(a: argparse.Namespace):
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization,
         cpu_threads=a.cpu_threads,
+        enable_prefix_caching=a.enable_prefix_caching,
+        kda_checkpoint_pages=a.kda_checkpoint_pages,
         load_progress=True,
     )
 
@@ -100,6 +104,25 @@ def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--speculative-method", default=None, help="decode workers only: ngram | aux_tap")
     p.add_argument("--num-speculative-tokens", type=int, default=0, help="decode workers only")
     p.add_argument("--draft-model", default=None, help="decode workers only")
+    p.add_argument("--redis-url", default=None, help="shared prefix index + remote tier (default: in-process)")
+    p.add_argument("--tier-cpu-bytes", type=int, default=256 << 20)
+    p.add_argument("--tier-disk-dir", default=None)
+    p.add_argument("--tier-disk-bytes", type=int, default=0)
+    p.add_argument("--tier-capacity-bytes", type=int, default=None)
+    p.add_argument("--instance-id", default=None, help="name in the prefix index (default: host:port)")
+
+
+def _prefix_store(a: argparse.Namespace):
+    from kvstore.store import PrefixStoreConfig
+    from kvstore.tier import TierConfig
+
+    tier = TierConfig(
+        local_cpu_bytes=a.tier_cpu_bytes,
+        local_disk_dir=a.tier_disk_dir,
+        local_disk_bytes=a.tier_disk_bytes,
+        capacity_bytes=a.tier_capacity_bytes,
+    )
+    return PrefixStoreConfig(redis_url=a.redis_url, tier=tier, instance_id=a.instance_id or f"{a.host}:{a.port}")
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
@@ -107,7 +130,9 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     from prefill_svc.main import run
 
     # the config refuses speculative settings before anything is loaded
-    config = PrefillConfig(engine_config_from_args(a), a.host, a.port, a.metrics_port, _speculative(a), a.drain_seconds)
+    config = PrefillConfig(
+        engine_config_from_args(a), a.host, a.port, a.metrics_port, _speculative(a), a.drain_seconds, _prefix_store(a)
+    )
     run(config)
     return 0
 
@@ -116,7 +141,17 @@ def cmd_decode(a: argparse.Namespace) -> int:
     from decode_svc.config import DecodeConfig
     from decode_svc.main import run
 
-    run(DecodeConfig(engine_config_from_args(a), a.host, a.port, a.metrics_port, _speculative(a), a.drain_seconds))
+    run(
+        DecodeConfig(
+            engine_config_from_args(a),
+            a.host,
+            a.port,
+            a.metrics_port,
+            _speculative(a),
+            a.drain_seconds,
+            _prefix_store(a),
+        )
+    )
     return 0
 
 
@@ -132,6 +167,7 @@ def cmd_router(a: argparse.Namespace) -> int:
             http_port=a.http_port,
             grpc_port=a.grpc_port,
             served_model_name=a.served_model_name,
+            redis_url=a.redis_url,
         )
     )
     return 0
@@ -143,9 +179,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tandem.cluster import LocalCluster, WorkerSpec
 
     model = a.model or default_model()
+    common = [] if a.no_prefix_caching else ["--enable-prefix-caching"]
+    if a.redis_url:
+        common += ["--redis-url", a.redis_url]
     cluster = LocalCluster(
         model,
-        [WorkerSpec("prefill", list(a.prefill_args or [])), WorkerSpec("decode", list(a.decode_args or []))],
+        [
+            WorkerSpec("prefill", common + list(a.prefill_args or [])),
+            WorkerSpec("decode", common + list(a.decode_args or [])),
+        ],
+        router_args=["--redis-url", a.redis_url] if a.redis_url else [],
         http_port=a.http_port,
         grpc_port=a.grpc_port,
     )
@@ -216,12 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50060)
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--redis-url", default=None, help="the workers' prefix index: enables prefix-aware routing")
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("serve", help="router + one prefill + one decode worker on localhost")
     p.add_argument("--model", type=Path, default=None)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50060)
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache and tier off")
+    p.add_argument("--redis-url", default=None, help="shared prefix index + remote tier (default: in-process)")
     p.add_argument("--prefill-args", nargs=argparse.REMAINDER, help="extra flags for the prefill worker")
     p.add_argument("--decode-args", nargs=argparse.REMAINDER, help="extra flags for the decode worker")
     p.set_defaults(func=cmd_serve)

@@ -13,6 +13,7 @@ class WorkerMetrics:
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
         r, p = self.registry, f"tandem_{role}"
+        self.prefix = p
         self.requests = Counter(f"{p}_requests", "Requests by outcome", ["outcome"], registry=r)
         self.ttft = Histogram(f"{p}_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
@@ -31,6 +32,34 @@ class WorkerMetrics:
         self.pages_in_use.set_function(pages)
         self.slots_in_use.set_function(slots)
         self.outstanding.set_function(outstanding)
+
+    def track_prefix(self, engine, store) -> None:
+        """Prefix-cache hits (device and tier) and the tier's health, read at scrape time."""
+        r, p = self.registry, self.prefix
+        prefix = engine.prefix_cache
+        Gauge(f"{p}_prefix_query_tokens", "Tokens of admitted requests looked up", registry=r).set_function(
+            lambda: prefix.queried_tokens
+        )
+        Gauge(f"{p}_prefix_hit_tokens", "Prompt tokens whose KV was reused", registry=r).set_function(
+            lambda: prefix.hit_tokens
+        )
+        Gauge(f"{p}_prefix_resume_tokens", "Sum of positions where computation resumed", registry=r).set_function(
+            lambda: prefix.resume_tokens
+        )
+        for key, doc in (
+            ("tier_hit_tokens", "Prompt tokens loaded from the tier"),
+            ("device_hit_tokens", "Prompt tokens already resident on this device at load time"),
+            ("loaded_bytes", "Bytes loaded from the tier"),
+            ("filed_bytes", "Bytes filed to the tier"),
+            ("index_errors", "Index (Redis) failures, served without hits"),
+            ("tier_errors", "Tier failures, served without hits"),
+            ("corrupt_entries", "Tier entries that failed their checksum and were dropped"),
+            ("tier_evictions", "Tier entries evicted (and removed from the index)"),
+        ):
+            Gauge(f"{p}_{key}", doc, registry=r).set_function(lambda key=key: store.counters[key])
+        Gauge(f"{p}_tier_bytes", "Bytes this worker holds in the tier", registry=r).set_function(
+            lambda: store.tier.bytes
+        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

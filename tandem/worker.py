@@ -11,6 +11,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.fingerprint import Fingerprint, compute_fingerprint
 from engine.llm_engine import LLMEngine
+from kvstore.store import PrefixStore, PrefixStoreConfig
 from tandem.grpc_util import make_server, serve_until_signal
 from tandem.metrics import WorkerMetrics
 
@@ -30,7 +31,8 @@ async def run_worker(
     drain_seconds: float,
     service_name: str,
     add_service: Callable[[object, object], None],
-    build_service: Callable[[AsyncEngine, Fingerprint, WorkerMetrics, str], object],
+    build_service: Callable[[AsyncEngine, Fingerprint, WorkerMetrics, str, PrefixStore | None], object],
+    prefix_store: PrefixStoreConfig | None = None,
 ) -> None:
     engine = LLMEngine(engine_config)
     fingerprint = compute_fingerprint(engine_config.model, engine.model_config, engine.dtype, engine_config.page_size)
@@ -42,9 +44,14 @@ async def run_worker(
     )
     if metrics_port is not None:
         metrics.serve(metrics_port, host)
+    store = None
+    if engine_config.enable_prefix_caching:
+        cfg = prefix_store or PrefixStoreConfig(instance_id=f"{host}:{port}")
+        store = PrefixStore(cfg, engine, fingerprint.model_digest[:16])
+        metrics.track_prefix(engine, store)
     aengine = AsyncEngine(engine, asyncio.get_running_loop())
     aengine.start()
-    service = build_service(aengine, fingerprint, metrics, model_name_of(engine_config))
+    service = build_service(aengine, fingerprint, metrics, model_name_of(engine_config), store)
     server, health = make_server([service_name])
     add_service(service, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -59,3 +66,5 @@ async def run_worker(
         await serve_until_signal(server, health, [service_name], drain_seconds)
     finally:
         aengine.stop()
+        if store is not None:
+            store.close()

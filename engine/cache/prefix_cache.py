@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.block_hash import hash_block
 from engine.cache.allocator import BlockAllocator
+from engine.cache.tensors import CacheTensors
 from engine.request import Request
 
 KDA_CHUNK = 64
@@ -45,6 +48,8 @@ class PrefixCache:
         pages.on_evict.append(lambda _h, page: self._tokens_of.pop(page, None))
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.resume_tokens = 0
+        """Sum over hits of where computation resumed (the KDA rung, or the KV hit for attention-only)."""
 
     # ---- hashing ------------------------------------------------------------------------------
     def hashes_upto(self, req: Request, num_pages: int) -> list[bytes]:
@@ -81,6 +86,7 @@ class PrefixCache:
             self.slots.share([slot])
         self.queried_tokens += req.num_tokens
         self.hit_tokens += len(pages) * ps
+        self.resume_tokens += resume
         return PrefixHit(pages, len(pages) * ps, resume, slot)
 
     def release(self, hit: PrefixHit) -> None:
@@ -120,3 +126,59 @@ class PrefixCache:
     def checkpoint_exists(self, req: Request, pos: int) -> bool:
         h = self.hashes_upto(req, pos // self.page_size)[pos // self.page_size - 1]
         return self.slots is not None and self.slots.lookup(h) is not None
+
+
+def resident_prefix(prefix: PrefixCache, hashes: list[bytes], token_ids: list[int]) -> tuple[int, int]:
+    """(leading pages resident with matching tokens, last rung with a resident checkpoint), no refs taken."""
+    ps, n = prefix.page_size, 0
+    for p, h in enumerate(hashes):
+        page = prefix.pages.lookup(h)
+        if page is None or prefix._tokens_of.get(page) != tuple(token_ids[p * ps : (p + 1) * ps]):
+            break
+        n += 1
+    rung = 0
+    if prefix.slots is not None:
+        rung_pages = prefix.rung_tokens // ps
+        for r in range(n // rung_pages, 0, -1):
+            if prefix.slots.lookup(hashes[r * rung_pages - 1]) is not None:
+                rung = r * rung_pages
+                break
+    return n, rung
+
+
+def import_prefix(
+    prefix: PrefixCache,
+    cache: CacheTensors,
+    hashes: list[bytes],
+    token_ids: list[int],
+    first_page: int,
+    pages: list[list[torch.Tensor]],
+    checkpoint: tuple[int, list[torch.Tensor]] | None,
+) -> int:
+    """Write pages fetched from the tier (page first_page + i gets pages[i], one tensor per attention
+    layer) and a rung checkpoint (rung page count, [recurrent, conv] per KDA layer) into the device
+    cache, filed and unreferenced (evictable). Returns how many leading pages are now resident."""
+    ps = prefix.page_size
+    for i, tensors in enumerate(pages):
+        p = first_page + i
+        if prefix.pages.lookup(hashes[p]) is not None:
+            continue
+        if not prefix.pages.can_allocate(1):
+            return p
+        (page,) = prefix.pages.allocate(1)
+        for layer, t in zip(cache.kv, tensors, strict=True):
+            cache.kv[layer][page] = t
+        prefix.pages.register(page, hashes[p])
+        prefix._tokens_of[page] = tuple(token_ids[p * ps : (p + 1) * ps])
+        prefix.pages.free([page])
+    if checkpoint is not None and prefix.slots is not None:
+        rung_pages, tensors = checkpoint
+        h = hashes[rung_pages - 1]
+        if prefix.slots.lookup(h) is None and prefix.slots.can_allocate(1):
+            (slot,) = prefix.slots.allocate(1)
+            for j, layer in enumerate(cache.recurrent):
+                cache.recurrent[layer][slot] = tensors[2 * j]
+                cache.conv[layer][slot] = tensors[2 * j + 1]
+            prefix.slots.register(slot, h)
+            prefix.slots.free([slot])
+    return first_page + len(pages)

@@ -25,6 +25,9 @@ class HandoffProducer:
         self.cache = cache
         self.page_size = page_size
         self._sinks: dict[str, tuple[Sink, int]] = {}
+        self._next_page: dict[tuple[str, int], int] = {}
+        """(request, layer) -> first page not sent yet; pages reused from the prefix cache are sent
+        with the request's first computed chunk."""
         self._lock = threading.Lock()
 
     def register(self, request_id: str, sink: Sink, max_message_bytes: int) -> None:
@@ -34,6 +37,8 @@ class HandoffProducer:
     def unregister(self, request_id: str) -> None:
         with self._lock:
             self._sinks.pop(request_id, None)
+            for key in [k for k in self._next_page if k[0] == request_id]:
+                del self._next_page[key]
 
     def on_layer(self, layer: int, batch: ForwardBatch) -> None:
         kda = self.cfg.layer_kinds[layer] == "kda"
@@ -44,7 +49,7 @@ class HandoffProducer:
             if entry is None:
                 continue
             sink, max_bytes = entry
-            start, end, last = batch.chunk_starts[i], batch.context_lens[i], batch.completes_prompt[i]
+            end, last = batch.context_lens[i], batch.completes_prompt[i]
             if kda:
                 if last:  # the state after the whole prompt
                     slot = batch.state_slots[i]
@@ -56,10 +61,12 @@ class HandoffProducer:
                             sink(pb.HandoffChunk(state=pb.StatePart(layer=layer, kind=kind, tensor=piece)))
                 continue
             table = batch.block_tables[i]
-            for p in range(start // ps, -(-end // ps)):
+            first = self._next_page.get((rid, layer), 0)
+            for p in range(first, -(-end // ps)):
                 n = min(end - p * ps, ps)
                 if n < ps and not last:
-                    continue  # still filling: sent once full, or with the prompt's last chunk
+                    break  # still filling: sent once full, or with the prompt's last chunk
                 rows = self.cache.kv[layer][int(table[p]), :n]
                 for piece in tensor_pieces(rows, max_bytes):
                     sink(pb.HandoffChunk(kv=pb.KVPagePart(layer=layer, page_index=p, num_tokens=n, tensor=piece)))
+                self._next_page[(rid, layer)] = p + 1

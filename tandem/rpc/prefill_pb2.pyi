@@ -18,20 +18,22 @@ RECURRENT: StateKind
 CONV: StateKind
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     consumer_fingerprint: _common_pb2.Fingerprint
     speculative: _common_pb2.SpeculativeParams
     max_message_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("header", "kv", "state", "block_hashes", "first_token", "end")

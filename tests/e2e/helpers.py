@@ -10,7 +10,10 @@ from tandem.cluster import LocalCluster
 
 
 def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return _parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+
+
+def _parse(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) ([-+\d.eE]+|NaN)$", line)

@@ -1,0 +1,135 @@
+"""The storage tier behind a thin interface: LMCache's storage manager (local CPU, optional local
+disk, optional remote Redis shared by replicas), with our own capacity accounting so that an
+eviction is always mirrored in the index.
+
+LMCache 0.5.6 notes (../shared/reference/lmcache.md): telemetry off via LMCACHE_TRACK_USAGE=false
+before import; the redis connector's close() deadlocks and is patched; the storage manager must be
+closed or the process never exits; objects are stored as [1, 1, nbytes] uint8 tensors (a 1-D shape
+breaks LMCache's token accounting on close).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    local_cpu_bytes: int = 256 << 20
+    local_disk_dir: str | None = None
+    local_disk_bytes: int = 0
+    remote_url: str | None = None
+    """redis://host:port: the level shared by replicas on other machines."""
+    capacity_bytes: int | None = None
+    """Evict (everywhere, index included) beyond this many bytes filed by this process."""
+
+
+def _patch_lmcache_close() -> None:
+    from lmcache.v1.storage_backend.connector import redis_connector as rc
+
+    async def _close_redis(self):  # upstream awaits a blocking shutdown on its own loop: deadlock
+        await self.pq_executor.shutdown_async(wait=True)
+        await self.connection.aclose()
+
+    rc.RedisConnector.close = _close_redis
+
+
+class LMCacheTier:
+    def __init__(self, config: TierConfig, model_tag: str) -> None:
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.event_manager import EventManager
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+        _patch_lmcache_close()
+        self._key_cls, self._fmt = CacheEngineKey, MemoryFormat.KV_2LTD
+        kw = dict(chunk_size=16, local_cpu=True, max_local_cpu_size=max(config.local_cpu_bytes / 1e9, 0.001))
+        if config.local_disk_dir:
+            kw.update(local_disk=config.local_disk_dir, max_local_disk_size=config.local_disk_bytes / 1e9)
+        if config.remote_url:
+            kw.update(remote_url=config.remote_url, remote_serde="naive")
+        cfg = LMCacheEngineConfig.from_defaults(save_unfull_chunk=True, blocking_timeout_secs=2, **kw)
+        meta = LMCacheMetadata(
+            model_name=model_tag,
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.uint8,
+            kv_shape=(1, 2, 16, 1, 1),
+            chunk_size=16,
+        )
+        self.model_tag = model_tag
+        self.config = config
+        self._sm = StorageManager(cfg, meta, event_manager=EventManager())
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        self.bytes = 0
+        self.on_evict: list[Callable[[int, bytes], None]] = []
+        self.num_evictions = 0
+
+    def _key(self, kind: int, h: bytes):
+        return self._key_cls(
+            self.model_tag, 1, 0, int.from_bytes(h[:8], "big", signed=True), torch.uint8,
+            request_configs={"lmcache.tag.kind": str(kind)},
+        )  # fmt: skip
+
+    def put(self, kind: int, h: bytes, blob: bytes) -> None:
+        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(1, 1, -1)
+        with self._lock:
+            obj = self._sm.allocate(torch.Size(data.shape), torch.uint8, fmt=self._fmt, busy_loop=False)
+            if obj is None:
+                raise MemoryError("LMCache local CPU pool is full")
+            obj.tensor.copy_(data)
+            self._sm.batched_put([self._key(kind, h)], [obj])
+            self._account(kind, h, len(blob))
+
+    def _account(self, kind: int, h: bytes, size: int) -> None:
+        k = (kind, h)
+        self.bytes += size - self._sizes.pop(k, 0)
+        self._sizes[k] = size
+        cap = self.config.capacity_bytes
+        while cap is not None and self.bytes > cap and len(self._sizes) > 1:
+            (old_kind, old_h), old_size = self._sizes.popitem(last=False)
+            self.bytes -= old_size
+            self._sm.remove(self._key(old_kind, old_h))
+            self.num_evictions += 1
+            for cb in self.on_evict:
+                cb(old_kind, old_h)
+
+    def get(self, kind: int, h: bytes) -> bytes | None:
+        with self._lock:
+            obj = self._sm.get(self._key(kind, h))
+            if obj is None:
+                return None
+            try:
+                blob = obj.tensor.reshape(-1).numpy().tobytes()
+            finally:
+                obj.ref_count_down()
+            if (kind, h) in self._sizes:
+                self._sizes.move_to_end((kind, h))
+            return blob
+
+    def remove(self, kind: int, h: bytes) -> None:
+        with self._lock:
+            self._sm.remove(self._key(kind, h))
+            size = self._sizes.pop((kind, h), None)
+            if size is not None:
+                self.bytes -= size
+
+    def close(self) -> None:
+        with self._lock:
+            self._sm.close()
