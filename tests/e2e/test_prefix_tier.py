@@ -10,6 +10,8 @@ import grpc
 import openai
 import pytest
 
+from engine.block_hash import block_hashes, namespace
+from engine.fingerprint import model_digest
 from engine.sampling_params import SamplingParams
 from tandem.cluster import LocalCluster, WorkerSpec
 from tandem.rpc import decode_pb2, decode_pb2_grpc
@@ -93,10 +95,18 @@ def _reference(model_dir, prompts):
     ]
 
 
-def test_other_replica_is_served_from_the_tier(cluster, tiny_models):
+def test_other_replica_is_served_from_the_tier(cluster, tiny_models, redis_server):
     base = random_prompts(1, [300], seed=41)[0]
     first = _via(cluster, 0, base, "warm-0")
     _wait_filed(cluster, 0)
+    # the decode worker registered the prompt pages it received (and generated) under the same hashes
+    ns = namespace(model_digest(cluster.model), "")
+    want_hashes = {h.hex() for h in block_hashes(ns, base, 16)}
+    deadline = time.monotonic() + 5
+    key = f"tandem:g:{cluster.worker('decode').endpoint}"
+    while not want_hashes <= {m.decode() for m in redis_server.client().smembers(key)}:
+        assert time.monotonic() < deadline, "decode worker did not register the block hashes it received"
+        time.sleep(0.1)
     cases = {
         "between_rungs": base[:150] + [7, 8, 9],  # 9 full shared pages; rungs every 4 pages
         "on_rung": base[:200] + [7, 8],  # 12 full shared pages: a rung
