@@ -10,10 +10,12 @@ ends; the consumer frees its reservation on any failure before decoding starts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 import grpc
+import torch
 
 from decode_svc.config import DecodeConfig
 from engine.async_engine import AsyncEngine
@@ -71,6 +73,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             outstanding_requests=self.engine.num_outstanding,
         )
 
+    def _drafter_taps(self) -> tuple[int, ...]:
+        d = self.engine.drafter
+        return tuple(d.aux_layer_ids) if d is not None and d.needs_aux else ()
+
     def _prefill_stub(self, endpoint: str) -> prefill_pb2_grpc.PrefillStub:
         if endpoint not in self._channels:
             self._channels[endpoint] = channel(endpoint)
@@ -91,6 +97,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         prompt = list(request.prefill.prompt_token_ids)
         try:
             params = params_from_pb(request.params)
+            if request.HasField("speculative"):  # per-request k; the engine's setting caps it
+                params = dataclasses.replace(params, num_speculative_tokens=request.speculative.num_speculative_tokens)
             self.engine._validate(prompt, params)
         except ValueError as e:
             self.metrics.requests.labels("invalid").inc()
@@ -104,9 +112,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         q = self.aengine.open_stream(rid)
         try:
             result = await self._pull(request, res, context)
+            aux = None
+            taps = self._drafter_taps()
+            if taps and result.aux_hidden is not None:
+                aux = torch.cat([result.aux_hidden[t] for t in taps])
             out: RequestOutput = await self.aengine.call(
                 lambda e: e.insert_prefilled(
-                    res, prompt, params, result.first_token, result.first_logprobs, request.prefill.cache_salt
+                    res, prompt, params, result.first_token, result.first_logprobs, request.prefill.cache_salt, aux
                 )
             )
             inserted = True
@@ -116,13 +128,25 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             while True:
                 new = out.output_token_ids[sent:]
                 if new or out.finished:
-                    chunk = pb.TokenChunk(token_ids=new, finished=out.finished, finish_reason=out.finish_reason or "")
+                    chunk = pb.TokenChunk(
+                        token_ids=new,
+                        finished=out.finished,
+                        finish_reason=out.finish_reason or "",
+                        num_drafted=out.num_drafted,
+                        num_accepted=out.num_accepted,
+                        num_verify_steps=out.num_verify_steps,
+                    )
                     if params.logprobs is not None:
                         chunk.logprobs.extend(logprobs_to_pb(lp) for lp in out.logprobs[sent:])
                     sent = len(out.output_token_ids)
                     yield chunk
                 if out.finished:
                     finished = True
+                    if out.num_drafted:
+                        self.metrics.spec_drafted.inc(out.num_drafted)
+                        self.metrics.spec_accepted.inc(out.num_accepted)
+                        self.metrics.spec_verify_steps.inc(out.num_verify_steps)
+                        self.metrics.spec_acceptance.observe(out.acceptance_rate)
                     if sent > 1:
                         self.metrics.tpot.observe((time.monotonic() - t_first) / (sent - 1))
                     self.metrics.requests.labels("ok").inc()
@@ -146,6 +170,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         prefill_req.request_id = request.request_id
         prefill_req.ClearField("speculative")  # never forward speculative settings to a producer
         prefill_req.consumer_fingerprint.CopyFrom(fingerprint_to_pb(self.fingerprint))
+        prefill_req.ClearField("aux_layer_ids")
+        prefill_req.aux_layer_ids.extend(self._drafter_taps())  # so the first decode step already drafts
         consumer = HandoffConsumer(
             self.engine.model_config,
             self.engine.cache,

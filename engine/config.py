@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+SPECULATIVE_METHODS = ("ngram", "aux_tap")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of a decode worker. A prefill worker refuses any of it."""
+
+    method: str | None = None
+    """'ngram' | 'aux_tap'; None: no speculation."""
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
+    """Drafter checkpoint directory (aux_tap)."""
+    ngram_min: int = 1
+    ngram_max: int = 4
+    """n-gram drafter: the longest suffix (ngram_max .. ngram_min tokens) seen earlier is matched."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.method == "aux_tap" and not self.draft_model:
+            raise ValueError("speculative method 'aux_tap' needs draft_model (a drafter checkpoint directory)")
+        if (self.method is None) != (self.num_speculative_tokens == 0) and self.draft_model is None:
+            raise ValueError(
+                f"speculative method={self.method!r} with num_speculative_tokens={self.num_speculative_tokens}: "
+                "set both, or neither"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None or self.num_speculative_tokens > 0 or self.draft_model is not None
 
 
 @dataclass(frozen=True)
@@ -38,6 +74,8 @@ class EngineConfig:
     a multiple of the KDA chunk, 64)."""
     num_checkpoint_slots: int | None = None
     """KDA state slots kept for checkpoints (default: 2 x max_num_seqs when prefix caching)."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    """Speculative decoding (decode workers only); requests may lower k or turn it off."""
     cpu_threads: int = 1
     """torch intra-op threads on CPU. 1 by default: the tiny models' ops are microseconds long and
     extra threads spin against the other processes of a local cluster (measured ~70x slower)."""
@@ -56,27 +94,3 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-
-
-SPECULATIVE_METHODS = ("ngram", "aux_tap")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding of a decode worker. A prefill worker refuses any of it."""
-
-    method: str | None = None
-    """'ngram' | 'aux_tap'; None: no speculation."""
-    num_speculative_tokens: int = 0
-    draft_model: str | None = None
-    """Drafter checkpoint directory (aux_tap)."""
-
-    def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method {self.method!r}; expected one of {SPECULATIVE_METHODS}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None or self.num_speculative_tokens > 0 or self.draft_model is not None

@@ -24,7 +24,9 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduler import SampleResult, ScheduledChunk, Scheduler
+from engine.spec.drafters import build_drafter
+from engine.spec.verify import token_logprobs, verify_drafts
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,21 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprobs]
     num_preemptions: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_verify_steps: int = 0
+    aux_hidden: torch.Tensor | None = None
+    """The target's taps (aux_layer_ids order) at the position that produced the newest token."""
+    aux_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's token)."""
+        return (self.num_accepted + self.num_verify_steps) / self.num_verify_steps if self.num_verify_steps else 0.0
 
 
 @dataclass
@@ -92,9 +109,11 @@ class LLMEngine:
         """Called on the engine thread after each step with the (hash, page) and (hash, slot) filed
         in it, while their contents are still in place (the prefix tier copies them out here)."""
         self.runner = ModelRunner(self.model, self.cache, self.device, config.page_size)
+        self.drafter = build_drafter(config.speculative, self.model, self.model_config, self.dtype, self.device)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, Request] = {}
         self._reservations: dict[str, ImportReservation] = {}
+        self._aux_requests: dict[int, int] = {}
         self._ids = itertools.count()
         logger.info(
             "cache: %d pages x %d tokens = %d tokens, %d KDA slots, %.1f MiB; max_model_len %d; "
@@ -194,6 +213,7 @@ class LLMEngine:
         first_token: int,
         first_logprobs: TokenLogprobs | None,
         cache_salt: str = "",
+        aux: torch.Tensor | None = None,
     ) -> RequestOutput:
         """Continue a request from a producer's state: its prompt is cached, its first token sampled."""
         if self._reservations.pop(res.request_id, None) is None:
@@ -212,7 +232,21 @@ class LLMEngine:
         self.scheduler.add_running(req)
         if not self.scheduler.finish_if_stopped(req, first_token):
             self._requests[req.request_id] = req
+            k = self.spec_k(req)
+            if self.drafter is not None and k and (aux is not None or not self.drafter.needs_aux):
+                req.draft_tokens = self.drafter.propose(req, k, aux)  # the first decode step already drafts
         return self._output(req)
+
+    def add_aux_layers(self, layer_ids: tuple[int, ...], remove: bool = False) -> None:
+        """Producer side: capture these taps too (a consumer's drafter reads them from the handoff)."""
+        for t in layer_ids:
+            if not -1 <= t < self.model_config.num_hidden_layers:
+                raise InvalidRequestError(f"aux layer {t} is outside -1..{self.model_config.num_hidden_layers - 1}")
+            self._aux_requests[t] = self._aux_requests.get(t, 0) + (-1 if remove else 1)
+            if self._aux_requests[t] <= 0:
+                del self._aux_requests[t]
+        own = self.drafter.aux_layer_ids if self.drafter is not None and self.drafter.needs_aux else ()
+        self.model.aux_layer_ids = tuple(sorted(set(own) | set(self._aux_requests)))
 
     @property
     def num_outstanding(self) -> int:
@@ -256,20 +290,71 @@ class LLMEngine:
                 self.slots.free([c.request.fork_slot])
                 c.request.fork_slot = None
         logits = self.runner.execute(sched.chunks)
-        sampling = [c.request for c in sched.chunks if c.samples]
-        drawn = self.sampler.sample(logits, sampling)
-        sampled = {r.request_id: d for r, d in zip(sampling, drawn, strict=True)}
+        sampled, aux_rows = self._sample(sched.chunks, logits)
         updated = self.scheduler.postprocess(sched, sampled)
         if self.scheduler.filed_pages or self.scheduler.filed_checkpoints:
             pages, ckpts = self.scheduler.filed_pages, self.scheduler.filed_checkpoints
             self.scheduler.filed_pages, self.scheduler.filed_checkpoints = [], []
             for hook in self.filing_hooks:
                 hook(pages, ckpts)
+        if self.model.aux_layer_ids and self.model.aux_states is not None:
+            by_id = {r.request_id: r for r in updated}
+            for rid, row in aux_rows.items():
+                if rid in by_id:
+                    by_id[rid].last_aux = self.model.aux_states[row].clone()
+                    by_id[rid].last_aux_layers = self.model.aux_layer_ids
+        if self.drafter is not None:
+            self._draft(aux_rows)
         outputs = [self._output(r) for r in updated]
         for r in updated:
             if r.is_finished:
                 self._requests.pop(r.request_id, None)
         return outputs
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[dict, dict]:
+        """Sample (or verify drafts) per sampling chunk; also the row of each request's last accepted
+        position, where the drafter reads the target's aux states."""
+        sampled: dict[str, SampleResult] = {}
+        aux_rows: dict[str, int] = {}
+        row = 0
+        for c in chunks:
+            if not c.samples:
+                continue
+            req, rows = c.request, logits[row : row + 1 + len(c.drafts)]
+            if c.drafts:
+                tokens, accepted = verify_drafts(rows.float().cpu(), list(c.drafts), req, self.sampler._rng)
+                n_top = req.params.logprobs
+                lps = token_logprobs(rows.float().cpu(), tokens, n_top) if n_top is not None else []
+                sampled[req.request_id] = SampleResult(tokens, lps, accepted)
+                aux_rows[req.request_id] = row + accepted
+            else:
+                ((token, lp),) = self.sampler.sample(rows, [req])
+                sampled[req.request_id] = SampleResult([token], [lp] if lp is not None else [])
+                aux_rows[req.request_id] = row
+            row += 1 + len(c.drafts)
+        return sampled, aux_rows
+
+    def _draft(self, aux_rows: dict[str, int]) -> None:
+        """Propose the next step's drafts for every decoding request with speculation on."""
+        aux = self.model.aux_states
+        for req in self.scheduler.running:
+            k = self.spec_k(req)
+            if k == 0 or req.num_computed_tokens != req.num_tokens - 1:
+                req.draft_tokens = []
+                continue
+            if self.drafter.needs_aux:
+                row = aux_rows.get(req.request_id)
+                if row is None:  # not scheduled this step: its drafts are still valid
+                    continue
+                req.draft_tokens = self.drafter.propose(req, k, aux[row])
+            else:
+                req.draft_tokens = self.drafter.propose(req, k)
+
+    def spec_k(self, req: Request) -> int:
+        k = self.config.speculative.num_speculative_tokens
+        if req.params.num_speculative_tokens is not None:
+            k = min(k, req.params.num_speculative_tokens)
+        return k
 
     @staticmethod
     def _output(r: Request) -> RequestOutput:
@@ -281,6 +366,11 @@ class LLMEngine:
             r.finish_reason,
             list(r.output_logprobs),
             r.num_preemptions,
+            r.num_drafted,
+            r.num_accepted,
+            r.num_verify_steps,
+            r.last_aux,
+            r.last_aux_layers,
         )
 
     def generate(

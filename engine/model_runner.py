@@ -28,7 +28,9 @@ class ModelRunner:
         for c in chunks:
             req = c.request
             end = c.start + c.num_tokens
-            ids.extend(req.all_token_ids[c.start : end])
+            known = end - len(c.drafts)
+            ids.extend(req.all_token_ids[c.start : known])
+            ids.extend(c.drafts)
             positions.extend(range(c.start, end))
             slot_mapping.extend(
                 req.page_ids[p // ps] * ps + p % ps if p >= req.kv_cached_tokens else -1 for p in range(c.start, end)
@@ -38,8 +40,8 @@ class ModelRunner:
             tables.append(torch.tensor(req.page_ids, dtype=torch.int64, device=self.device))
             slots.append(req.slot_ids[0] if req.slot_ids else -1)
             has_init.append(c.start > 0)
-            if c.samples:
-                logits_idx.append(qsl[-1] - 1)
+            if c.samples:  # a verify step needs the logits at the last token and every draft
+                logits_idx.extend(range(qsl[-1] - 1 - len(c.drafts), qsl[-1]))
             rids.append(req.request_id)
             starts.append(c.start)
             completes.append(c.samples)

@@ -48,6 +48,14 @@ class Request:
         self.pending_checkpoints: list[tuple[int, int]] = []
         """(rung position, slot) written by the running step, filed when it ends (checkpoint hold)."""
         self.prefix_hit_tokens = 0
+        # speculative decoding
+        self.draft_tokens: list[int] = []
+        """Proposed for the next step; verified by the target, never part of the output until accepted."""
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.num_verify_steps = 0
+        self.last_aux = None
+        self.last_aux_layers: tuple[int, ...] = ()
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
 

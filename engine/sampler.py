@@ -42,11 +42,16 @@ class Sampler:
 
     def _draw(self, row: torch.Tensor, req: Request) -> int:
         probs = filtered_probs(row, req.params.temperature, req.params.top_k, req.params.top_p)
-        if req.params.seed is not None:
-            gen = torch.Generator().manual_seed(_step_seed(req.params.seed, len(req.output_token_ids)))
-        else:
-            gen = self._rng
+        gen = step_generator(req, len(req.output_token_ids), self._rng)
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def step_generator(req: Request, index: int, default: torch.Generator) -> torch.Generator:
+    """The generator for output token `index` of a request: seeded by (seed, index) when the request
+    has a seed, so batching, preemption and step boundaries cannot change its tokens."""
+    if req.params.seed is None:
+        return default
+    return torch.Generator().manual_seed(_step_seed(req.params.seed, index))
 
 
 def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -21,6 +21,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs per step."""
+    num_speculative_tokens: int | None = None
+    """Draft tokens per step for this request (None: the engine's setting; 0: no speculation)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -33,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

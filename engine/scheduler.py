@@ -24,12 +24,25 @@ class ScheduledChunk:
     """Tokens already cached before this step."""
     num_tokens: int
     checkpoints: tuple[tuple[int, int], ...] = ()
-    """(rung position, slot): KDA state after that many tokens goes to that slot this step."""
+    """(position, slot): KDA state after that many tokens goes to that slot this step (rungs and
+    the per-draft-position states of a verify step)."""
+    drafts: tuple[int, ...] = ()
+    """Draft tokens verified in this step (their positions follow the request's last token)."""
+    spec_slots: tuple[int, ...] = ()
+    """spec_slots[j]: KDA state after the last token and drafts[:j+1] (for rollback)."""
 
     @property
     def samples(self) -> bool:
         """This chunk reaches the request's last known token, so it produces the next one."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    tokens: list[int]
+    """Tokens to append: one, or the accepted drafts plus the target's token."""
+    logprobs: list[TokenLogprobs]
+    num_accepted: int = 0
 
 
 @dataclass
@@ -100,15 +113,20 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._reserve_pages(req, req.num_computed_tokens + n):
+            drafts = self._drafts_for(req, n, budget - n)
+            while not self._reserve_pages(req, req.num_computed_tokens + n + len(drafts)):
+                if drafts:  # give up speculation before preempting anyone
+                    drafts = []
+                    continue
                 victim = self.running.pop()  # youngest first
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.chunks.append(self._chunk(req, n))
-                budget -= n
+                chunk = self._chunk(req, n, drafts)
+                out.chunks.append(chunk)
+                budget -= chunk.num_tokens
                 i += 1
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
@@ -149,15 +167,32 @@ class Scheduler:
         req.page_ids, req.fork_slot = [], None
         req.num_computed_tokens = req.kv_cached_tokens = req.prefix_hit_tokens = 0
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _drafts_for(self, req: Request, n: int, budget_left: int) -> list[int]:
+        """The request's drafts, if it is decoding and they fit the budget and its limits."""
+        if not req.draft_tokens or n != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        room = min(
+            budget_left,
+            req.params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        return req.draft_tokens[: max(room, 0)]
+
+    def _chunk(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
         start = req.num_computed_tokens
+        drafts = list(drafts or [])
+        spec_slots: list[int] = []
+        if drafts and self.slots is not None:  # one state slot per draft position, for rollback
+            k = min(len(drafts), self.slots.num_free)
+            drafts, spec_slots = drafts[:k], self.slots.allocate(k)
         cks: list[tuple[int, int]] = []
         if self.prefix is not None and self.slots is not None:
-            for pos in self.prefix.rungs_in(start, start + n):
+            for pos in self.prefix.rungs_in(start, start + n + len(drafts)):
                 if not self.prefix.checkpoint_exists(req, pos) and self.slots.can_allocate(1):
                     cks.append((pos, self.slots.allocate(1)[0]))
         req.pending_checkpoints = cks
-        return ScheduledChunk(req, start, n, tuple(cks))
+        spec_cks = [(start + n + j, slot) for j, slot in enumerate(spec_slots)]
+        return ScheduledChunk(req, start, n + len(drafts), tuple(cks + spec_cks), tuple(drafts), tuple(spec_slots))
 
     def _reserve_pages(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.page_size) - len(req.page_ids)
@@ -181,6 +216,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
+        req.draft_tokens = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -188,33 +224,56 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the model ran ----------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprobs | None]]) -> list[Request]:
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, SampleResult]) -> list[Request]:
         """Advance progress, append sampled tokens, finish requests. Returns requests with news."""
         updated = []
         for chunk in out.chunks:
             req = chunk.request
             if req.is_finished:  # aborted while the step ran
+                if self.slots is not None:
+                    self.slots.free(list(chunk.spec_slots))
                 continue
-            req.num_computed_tokens += chunk.num_tokens
+            result = sampled.get(req.request_id) if chunk.samples else None
+            if chunk.drafts:
+                self._settle_verify(req, chunk, result)
+            else:
+                req.num_computed_tokens += chunk.num_tokens
             if self.prefix is not None:
                 self._file(req, chunk)
-            if not chunk.samples:
+            if result is None:
                 continue
-            token, logprobs = sampled[req.request_id]
-            req.output_token_ids.append(token)
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
+            for j, token in enumerate(result.tokens):
+                req.output_token_ids.append(token)
+                if j < len(result.logprobs):
+                    req.output_logprobs.append(result.logprobs[j])
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
             updated.append(req)
         return updated
 
+    def _settle_verify(self, req: Request, chunk: ScheduledChunk, result: SampleResult) -> None:
+        """Keep the accepted drafts: progress, KDA state (rollback) and the acceptance counts."""
+        k, a = len(chunk.drafts), result.num_accepted
+        req.num_computed_tokens = chunk.start + chunk.num_tokens - k + a
+        spec = list(chunk.spec_slots)
+        if a < k and spec:  # the state after the last accepted token becomes the running state
+            req.slot_ids[0], spec[a] = spec[a], req.slot_ids[0]
+        if self.slots is not None:
+            self.slots.free(spec)
+        req.num_drafted += k
+        req.num_accepted += a
+        req.num_verify_steps += 1
+
     def _file(self, req: Request, chunk: ScheduledChunk) -> None:
-        """File what this step completed: full pages, then the rung checkpoints (releasing the hold)."""
-        self.filed_pages += self.prefix.file_pages(req, chunk.start, chunk.start + chunk.num_tokens)
+        """File what this step completed: full pages, then the rung checkpoints (releasing the hold).
+        Rungs past the accepted tokens of a verify step are dropped, never filed."""
+        self.filed_pages += self.prefix.file_pages(req, chunk.start, req.num_computed_tokens)
         for pos, slot in req.pending_checkpoints:
-            h = self.prefix.file_checkpoint(req, pos, slot)
+            h = self.prefix.file_checkpoint(req, pos, slot) if pos <= req.num_computed_tokens else None
+            if pos > req.num_computed_tokens:
+                self.slots.free([slot])
             if h is not None:
                 self.filed_checkpoints.append((h, slot))
         req.pending_checkpoints = []

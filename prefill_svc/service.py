@@ -9,10 +9,12 @@ import logging
 import time
 
 import grpc
+import torch
 
 from engine.async_engine import AsyncEngine
 from engine.block_hash import block_hashes, namespace
 from engine.fingerprint import Fingerprint
+from engine.kv_transfer.codec import tensor_pieces
 from engine.kv_transfer.consumer import fingerprint_from_pb
 from engine.kv_transfer.producer import HandoffProducer
 from engine.llm_engine import RequestOutput
@@ -36,6 +38,18 @@ def fingerprint_to_pb(f: Fingerprint) -> cpb.Fingerprint:
         page_size=f.page_size,
         cache_layout=f.cache_layout,
     )
+
+
+def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int):
+    """The requested taps, in the requested order, from what the engine captured."""
+    if out.aux_hidden is None or not set(want) <= set(out.aux_layer_ids):
+        raise RuntimeError(f"aux hidden states {want} were not captured (have {out.aux_layer_ids})")
+    hidden = out.aux_hidden.shape[0] // len(out.aux_layer_ids)
+    rows = [
+        out.aux_hidden[out.aux_layer_ids.index(t) * hidden : (out.aux_layer_ids.index(t) + 1) * hidden] for t in want
+    ]
+    for piece in tensor_pieces(torch.cat(rows), max_bytes):
+        yield pb.HandoffChunk(aux_hidden=pb.AuxHidden(layer_ids=list(want), tensor=piece))
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -101,7 +115,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self._outstanding_tokens += len(prompt)
         self.metrics.live_transfers.inc()
         t0 = time.monotonic()
-        finished = False
+        finished = taps_added = False
         num_messages = payload = num_kv = num_state = 0
         try:
             cfg = self.engine.model_config
@@ -116,6 +130,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             )
             num_messages += 1
             salt = request.cache_salt
+            aux_ids = tuple(request.aux_layer_ids)
+            if aux_ids:  # the consumer's drafter reads these; capturing them is not speculating
+                await self.aengine.call(lambda e: e.add_aux_layers(aux_ids))
+                taps_added = True
             if self.store is not None:  # bring a prefix computed elsewhere into this device's cache
                 await self.store.load(self.aengine, prompt, salt)
             await self.aengine.call(lambda e: e.add_request(prompt, params, request_id=rid, cache_salt=salt))
@@ -131,6 +149,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     ns = namespace(self.namespace_digest, request.cache_salt)
                     hashes = block_hashes(ns, prompt, self.engine.config.page_size)
                     yield pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=hashes))
+                    if aux_ids:
+                        for msg in _aux_messages(item, aux_ids, max_bytes):
+                            payload += len(msg.aux_hidden.tensor.data)
+                            num_messages += 1
+                            yield msg
                     first = pb.FirstToken(has_logprob=bool(item.logprobs))
                     first.token.token_id = item.output_token_ids[0]
                     if item.logprobs:
@@ -163,6 +186,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise
         finally:
             self.producer.unregister(rid)
+            if taps_added:
+                await asyncio.shield(self.aengine.call(lambda e: e.add_aux_layers(aux_ids, remove=True)))
             self._outstanding_tokens -= len(prompt)
             self.metrics.live_transfers.dec()
             if not finished:  # consumer gone, deadline passed, or an error: free the blocks now

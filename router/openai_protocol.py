@@ -226,12 +226,16 @@ def _build(
         raise InvalidRequest(str(e)) from None
 
     n_spec = _opt_int(body, "num_speculative_tokens", lo=0)
+    salt = body.get("cache_salt", "")  # vLLM's extension: a separate prefix-cache namespace
+    if not isinstance(salt, str):
+        raise InvalidRequest(f"cache_salt must be a string, got {_tname(salt)}", "cache_salt")
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     gen = GenerationRequest(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         params=params,
         speculative=SpeculativeParams(n_spec) if n_spec is not None else None,
+        cache_salt=salt,
     )
     return ParsedRequest(
         kind=kind,

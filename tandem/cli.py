@@ -60,6 +60,14 @@ def engine_config_from_args(a: argparse.Namespace):
 def cmd_make_tiny_model(a: argparse.Namespace) -> int:
     from engine.tiny_model import make_tiny_model
 
+    if a.arch == "aux_tap_drafter":
+        from engine.spec.aux_tap import make_tiny_drafter
+
+        if a.target is None:
+            raise ValueError("--arch aux_tap_drafter needs --target (the target model's checkpoint dir)")
+        taps = tuple(int(t) for t in a.aux_layer_ids.split(","))
+        print(make_tiny_drafter(a.out, a.target, taps, seed=a.seed))
+        return 0
     out = make_tiny_model(a.out, arch=a.arch, seed=a.seed, dtype=a.dtype, num_shards=a.num_shards)
     print(out)
     return 0
@@ -138,16 +146,19 @@ def cmd_prefill(a: argparse.Namespace) -> int:
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
+    import dataclasses
+
     from decode_svc.config import DecodeConfig
     from decode_svc.main import run
 
+    spec = _speculative(a)
     run(
         DecodeConfig(
-            engine_config_from_args(a),
+            dataclasses.replace(engine_config_from_args(a), speculative=spec),
             a.host,
             a.port,
             a.metrics_port,
-            _speculative(a),
+            spec,
             a.drain_seconds,
             _prefix_store(a),
         )
@@ -217,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny-model", help="write a deterministic tiny HF checkpoint")
-    p.add_argument("--arch", default="kimi_linear", choices=["kimi_linear", "qwen3"])
+    p.add_argument("--arch", default="kimi_linear", choices=["kimi_linear", "qwen3", "aux_tap_drafter"])
+    p.add_argument("--target", type=Path, default=None, help="aux_tap_drafter: the target checkpoint dir")
+    p.add_argument("--aux-layer-ids", default="-1,1,2", help="aux_tap_drafter: tapped target layers")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

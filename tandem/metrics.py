@@ -27,6 +27,15 @@ class WorkerMetrics:
         self.pages_in_use = Gauge(f"{p}_pages_in_use", "KV pages allocated", registry=r)
         self.slots_in_use = Gauge(f"{p}_slots_in_use", "KDA state slots allocated", registry=r)
         self.outstanding = Gauge(f"{p}_outstanding_requests", "Requests held by the engine", registry=r)
+        self.spec_drafted = Counter(f"{p}_spec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_accepted = Counter(f"{p}_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_verify_steps = Counter(f"{p}_spec_verify_steps", "Verify steps", registry=r)
+        self.spec_acceptance = Histogram(
+            f"{p}_spec_acceptance_rate",
+            "Per-request share of drafts accepted",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+            registry=r,
+        )
 
     def track_engine(self, pages: Callable[[], float], slots: Callable[[], float], outstanding: Callable[[], float]):
         self.pages_in_use.set_function(pages)

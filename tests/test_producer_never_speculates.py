@@ -22,8 +22,8 @@ from tandem.rpc import prefill_pb2_grpc
 @pytest.mark.parametrize(
     "spec",
     [
-        SpeculativeConfig(method="ngram"),
-        SpeculativeConfig(num_speculative_tokens=3),
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        SpeculativeConfig(method="aux_tap", num_speculative_tokens=2, draft_model="/some/drafter"),
         SpeculativeConfig(draft_model="/some/drafter"),
     ],
 )

@@ -13,7 +13,7 @@ from engine.cache.allocator import BlockAllocator, OutOfBlocksError
 from engine.config import EngineConfig
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import SampleResult, Scheduler
 
 EOS = 2
 PS = 4
@@ -26,9 +26,7 @@ def make_scheduler(
     num_slots: int | None = None,
     max_model_len: int = 64,
 ) -> Scheduler:
-    cfg = EngineConfig(
-        model="unused", page_size=PS, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs
-    )
+    cfg = EngineConfig(model="unused", page_size=PS, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
     pages = BlockAllocator("kv pages", num_pages)
     slots = BlockAllocator("kda slots", num_slots) if num_slots is not None else None
     return Scheduler(cfg, max_model_len, (EOS,), pages, slots)
@@ -50,7 +48,7 @@ def chunks(out) -> list[tuple[str, int, int]]:
 def step(s: Scheduler, token: int = 7):
     """schedule + postprocess, every sampling request draws `token`."""
     out = s.schedule()
-    sampled = {c.request.request_id: (token, None) for c in out.chunks if c.samples}
+    sampled = {c.request.request_id: SampleResult([token], []) for c in out.chunks if c.samples}
     return out, s.postprocess(out, sampled)
 
 
@@ -100,7 +98,7 @@ def test_budget_running_first_then_waiting():
     out = s.schedule()
     assert chunks(out) == [("a", 0, 3), ("b", 0, 5)]  # c: no budget left
     assert [ch.samples for ch in out.chunks] == [True, False]  # b's prompt is not done yet
-    assert s.postprocess(out, {"a": (7, None)}) == [a] and b.output_token_ids == []
+    assert s.postprocess(out, {"a": SampleResult([7], [])}) == [a] and b.output_token_ids == []
     assert list(s.waiting) == [c]
     out, _ = step(s)
     assert chunks(out) == [("a", 3, 1), ("b", 5, 7)]  # decode first, prefill takes the rest
@@ -214,7 +212,7 @@ def test_preemption_picks_youngest_and_frees_its_pages():
     assert b.num_preemptions == 1 and s.num_preemptions == 1
     assert list(s.waiting) == [b] and s.running == [a]
     assert s.pages.num_free == 1 and s.pages.ref_count(3) == 0
-    s.postprocess(out, {"a": (7, None)})
+    s.postprocess(out, {"a": SampleResult([7], [])})
     # b must recompute all 9 tokens (3 pages); only 1 is free: it waits
     out, _ = step(s)
     assert chunks(out) == [("a", 9, 1)] and not out.preempted
@@ -283,7 +281,7 @@ def test_preempted_request_not_readmitted_in_the_same_step():
     out = s.schedule()
     assert out.preempted == [b] and chunks(out) == [("a", 8, 1)]
     assert list(s.waiting) == [b] and b.page_ids == [] and a.page_ids == [0, 1, 2]
-    s.postprocess(out, {"a": (7, None)})
+    s.postprocess(out, {"a": SampleResult([7], [])})
     out = s.schedule()
     assert chunks(out) == [("a", 9, 1), ("b", 0, 1)] and b.page_ids == [3]
 
@@ -302,11 +300,11 @@ def test_stop_reasons_and_release():
     s.postprocess(
         out,
         {
-            "eos": (EOS, None),
-            "ign": (EOS, None),
-            "stop": (9, None),
-            "len": (5, None),
-            "mml": (5, None),
+            "eos": SampleResult([EOS], []),
+            "ign": SampleResult([EOS], []),
+            "stop": SampleResult([9], []),
+            "len": SampleResult([5], []),
+            "mml": SampleResult([5], []),
         },
     )
     assert (e.finish_reason, i.finish_reason, st.finish_reason, n.finish_reason) == (
@@ -318,7 +316,7 @@ def test_stop_reasons_and_release():
     assert e.output_token_ids == [EOS] and st.output_token_ids == [9]
     assert e.page_ids == [] and st.page_ids == [] and i.page_ids == [1]
     out = s.schedule()
-    s.postprocess(out, {"ign": (EOS, None), "len": (5, None), "mml": (5, None)})
+    s.postprocess(out, {"ign": SampleResult([EOS], []), "len": SampleResult([5], []), "mml": SampleResult([5], [])})
     assert n.finish_reason == "length" and n.output_token_ids == [5, 5]
     assert m.finish_reason == "length" and m.num_tokens == 12  # max_model_len
     assert i.finish_reason is None and s.running == [i]
@@ -350,7 +348,7 @@ def test_abort_while_step_runs_is_not_postprocessed():
     s.add(b)
     out = s.schedule()
     s.abort("a")  # e.g. the client went away while the model ran
-    updated = s.postprocess(out, {"a": (7, None), "b": (7, None)})
+    updated = s.postprocess(out, {"a": SampleResult([7], []), "b": SampleResult([7], [])})
     assert updated == [b]
     assert a.output_token_ids == [] and a.num_computed_tokens == 0 and a.page_ids == []
     assert s.has_unfinished() and s.running == [b]

@@ -24,6 +24,15 @@ class HandoffResult:
     first_logprobs: TokenLogprobs | None
     block_hashes: list[bytes]
     payload_bytes: int
+    aux_hidden: dict[int, torch.Tensor] | None = None
+    """Target taps at the last prompt position, by layer id (when the consumer asked for them)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise HandoffError(f"unknown dtype {name!r}")
+    return dt
 
 
 def fingerprint_from_pb(f: pb.Fingerprint) -> Fingerprint:  # type: ignore[name-defined]
@@ -57,6 +66,7 @@ class HandoffConsumer:
         self.num_messages = 0
         self.payload_bytes = 0
         self.num_kv_parts = 0
+        self._aux: dict[int, torch.Tensor] | None = None
 
     def accept(self, msg: pb.HandoffChunk) -> HandoffResult | None:
         """Take one message; returns the result after a valid end marker."""
@@ -76,6 +86,8 @@ class HandoffConsumer:
             self._hashes = list(msg.block_hashes.hashes)
         elif which == "first_token":
             self._first = msg.first_token
+        elif which == "aux_hidden":
+            self._on_aux(msg.aux_hidden)
         else:
             raise HandoffError(f"unknown handoff message {which!r}")
         return None
@@ -127,6 +139,18 @@ class HandoffConsumer:
             pool[self.slot_ids[0]] = asm.tensor()
             self._complete(key)
 
+    def _on_aux(self, part: pb.AuxHidden) -> None:
+        ids = list(part.layer_ids)
+        hidden = self.cfg.hidden_size
+        shape = (len(ids) * hidden,)
+        asm = self._assembler(("aux",), "aux hidden states", shape, _dtype(part.tensor.dtype))
+        asm.add(part.tensor)
+        self.payload_bytes += len(part.tensor.data)
+        if asm.complete:
+            flat = asm.tensor().clone()
+            self._aux = {layer: flat[j * hidden : (j + 1) * hidden] for j, layer in enumerate(ids)}
+            self._complete(("aux",))
+
     def _assembler(self, key: tuple, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorAssembler:
         if key in self._done:
             raise HandoffError(f"{what} received twice")
@@ -169,4 +193,4 @@ class HandoffConsumer:
         expected_hashes = self.n // self.page_size
         if len(self._hashes) != expected_hashes:
             raise HandoffError(f"{len(self._hashes)} block hashes, expected {expected_hashes}")
-        return HandoffResult(t.token_id, lp, self._hashes, self.payload_bytes)
+        return HandoffResult(t.token_id, lp, self._hashes, self.payload_bytes, self._aux)

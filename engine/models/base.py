@@ -27,6 +27,10 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.backends: Backends | None = None
+        self.aux_layer_ids: tuple[int, ...] = ()
+        """Layers whose output (-1: the embedding) is captured at the logits rows for a drafter."""
+        self.aux_states: torch.Tensor | None = None
+        """[S, len(aux_layer_ids) * hidden] for the rows of batch.logits_indices, after each forward."""
         self.layer_hooks: list[Callable[[int, ForwardBatch], None]] = []
         """Called after each layer with (layer index, batch): the P/D producer streams the layer's
         finished pages and state from here while the next layers compute."""
@@ -39,10 +43,17 @@ class CausalLM(nn.Module):
         """Returns final-normed hidden states [T, hidden]."""
         assert self.backends is not None, "set model.backends before running"
         h = self.model.embed_tokens(batch.input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        if -1 in self.aux_layer_ids:
+            taps[-1] = h[batch.logits_indices]
         for i, layer in enumerate(self.layers):
             h = layer(h, batch, cache, self.backends)
+            if i in self.aux_layer_ids:
+                taps[i] = h[batch.logits_indices]
             for hook in self.layer_hooks:
                 hook(i, batch)
+        if self.aux_layer_ids:
+            self.aux_states = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from tandem.rpc import common_pb2 as common__pb2
 from tandem.rpc import prefill_pb2 as prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\x1a\rprefill.proto\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06params\x18\x02 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculative\x18\x03 \x01(\x0b\x32\x1c.tandem.v1.SpeculativeParams\x12\x18\n\x10prefill_endpoint\x18\x04 \x01(\t\x12*\n\x07prefill\x18\x05 \x01(\x0b\x32\x19.tandem.v1.PrefillRequest\"s\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t2\x84\x01\n\x06\x44\x65\x63ode\x12;\n\x04Info\x12\x1c.tandem.v1.WorkerInfoRequest\x1a\x15.tandem.v1.WorkerInfo\x12=\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\x1a\rprefill.proto\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x06params\x18\x02 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x31\n\x0bspeculative\x18\x03 \x01(\x0b\x32\x1c.tandem.v1.SpeculativeParams\x12\x18\n\x10prefill_endpoint\x18\x04 \x01(\t\x12*\n\x07prefill\x18\x05 \x01(\x0b\x32\x19.tandem.v1.PrefillRequest\"\xb8\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x06 \x01(\r\x12\x18\n\x10num_verify_steps\x18\x07 \x01(\r2\x84\x01\n\x06\x44\x65\x63ode\x12;\n\x04Info\x12\x1c.tandem.v1.WorkerInfoRequest\x1a\x15.tandem.v1.WorkerInfo\x12=\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x15.tandem.v1.TokenChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=57
   _globals['_DECODEREQUEST']._serialized_end=256
-  _globals['_TOKENCHUNK']._serialized_start=258
-  _globals['_TOKENCHUNK']._serialized_end=373
-  _globals['_DECODE']._serialized_start=376
-  _globals['_DECODE']._serialized_end=508
+  _globals['_TOKENCHUNK']._serialized_start=259
+  _globals['_TOKENCHUNK']._serialized_end=443
+  _globals['_DECODE']._serialized_start=446
+  _globals['_DECODE']._serialized_end=578
 # @@protoc_insertion_point(module_scope)

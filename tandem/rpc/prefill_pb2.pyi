@@ -18,7 +18,7 @@ RECURRENT: StateKind
 CONV: StateKind
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt", "aux_layer_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class PrefillRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -33,23 +34,34 @@ class PrefillRequest(_message.Message):
     speculative: _common_pb2.SpeculativeParams
     max_message_bytes: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
-    __slots__ = ("header", "kv", "state", "block_hashes", "first_token", "end")
+    __slots__ = ("header", "kv", "state", "block_hashes", "first_token", "end", "aux_hidden")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    AUX_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     header: HandoffHeader
     kv: KVPagePart
     state: StatePart
     block_hashes: BlockHashes
     first_token: FirstToken
     end: HandoffEnd
-    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., kv: _Optional[_Union[KVPagePart, _Mapping]] = ..., state: _Optional[_Union[StatePart, _Mapping]] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., end: _Optional[_Union[HandoffEnd, _Mapping]] = ...) -> None: ...
+    aux_hidden: AuxHidden
+    def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., kv: _Optional[_Union[KVPagePart, _Mapping]] = ..., state: _Optional[_Union[StatePart, _Mapping]] = ..., block_hashes: _Optional[_Union[BlockHashes, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., end: _Optional[_Union[HandoffEnd, _Mapping]] = ..., aux_hidden: _Optional[_Union[AuxHidden, _Mapping]] = ...) -> None: ...
+
+class AuxHidden(_message.Message):
+    __slots__ = ("layer_ids", "tensor")
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    tensor: TensorBytes
+    def __init__(self, layer_ids: _Optional[_Iterable[int]] = ..., tensor: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
     __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers")
