@@ -59,9 +59,7 @@ def one_shot(tiny_models) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("budget", "page_size"), [(7, 16), (16, 16), (33, 16), (1024, 16), (7, 5), (1, 16)]
-)
+@pytest.mark.parametrize(("budget", "page_size"), [(7, 16), (16, 16), (33, 16), (1024, 16), (7, 5), (1, 16)])
 def test_chunked_prefill_matches_one_shot(arch, model_dir, one_shot, budget, page_size):
     prompts = random_prompts(4, PROMPT_LENS, seed=3)
     eng = make_engine(model_dir, max_num_batched_tokens=budget, page_size=page_size)
@@ -79,9 +77,7 @@ def test_chunked_prefill_really_chunks(model_dir):
         sched_before = eng.scheduler.running[0].num_computed_tokens if eng.scheduler.running else 0
         eng.step()
         steps += 1
-        assert eng.scheduler.running[0].num_computed_tokens - sched_before == min(
-            7, 90 - sched_before
-        )
+        assert eng.scheduler.running[0].num_computed_tokens - sched_before == min(7, 90 - sched_before)
     assert steps == 13
     assert len(eng.scheduler.running[0].page_ids) == 6  # ceil(90 / 16)
 
@@ -140,10 +136,7 @@ PREEMPT_LENS = [20, 25, 30, 35]  # +24 tokens each: 3+4+4+4 = 15 pages wanted, 8
 def test_preemption_recompute_gives_same_tokens(model_dir, seeded):
     prompts = random_prompts(4, PREEMPT_LENS, seed=6)
     if seeded:
-        params = [
-            SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True)
-            for i in range(4)
-        ]
+        params = [SamplingParams(max_tokens=24, temperature=0.8, seed=100 + i, ignore_eos=True) for i in range(4)]
     else:
         params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 4
     ref_engine = make_engine(model_dir)
@@ -159,9 +152,7 @@ def test_preemption_recompute_gives_same_tokens(model_dir, seeded):
     assert all(o.finish_reason == "length" for o in outs)
     _assert_all_freed(eng)
     if seeded:  # the sampled run must really have sampled, or this is just the greedy test again
-        greedy = make_engine(model_dir).generate(
-            prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-        )
+        greedy = make_engine(model_dir).generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         assert _tokens(outs) != _tokens(greedy)
 
 
@@ -286,18 +277,14 @@ def test_stop_token_ids(model_dir):
     full = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
     assert full.finish_reason == "length" and len(full.output_token_ids) == 20
     i, x = _pick_stop_token(full.output_token_ids, 5)
-    out = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(x,)))[
-        0
-    ]
+    out = eng.generate([prompt], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(x,)))[0]
     assert out.output_token_ids == full.output_token_ids[: i + 1]
     assert out.output_token_ids[-1] == x
     assert out.finish_reason == "stop"
     # a stop token that only occurs in the prompt does not stop generation
-    out = eng.generate(
-        [prompt], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(prompt[-1],))
-    )[0]
-    if prompt[-1] not in full.output_token_ids[:5]:
-        assert out.output_token_ids == full.output_token_ids[:5] and out.finish_reason == "length"
+    out = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(prompt[-1],)))[0]
+    assert prompt[-1] not in full.output_token_ids[:5]
+    assert out.output_token_ids == full.output_token_ids[:5] and out.finish_reason == "length"
     _assert_all_freed(eng)
 
 
@@ -323,9 +310,7 @@ def test_eos_stops_and_ignore_eos(model_dir, tmp_path):
     out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
     assert out.output_token_ids == full and out.finish_reason == "length"
     # ignore_eos does not switch off explicit stop tokens
-    out = eng.generate(
-        [prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(x,))
-    )[0]
+    out = eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop_token_ids=(x,)))[0]
     assert out.output_token_ids == full[: i + 1] and out.finish_reason == "stop"
     _assert_all_freed(eng)
 
@@ -340,9 +325,7 @@ def test_max_tokens_and_max_model_len(model_dir):
 
     short = make_engine(model_dir, max_model_len=40)
     assert short.max_model_len == 40
-    out = short.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[
-        0
-    ]
+    out = short.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert out.output_token_ids == full.output_token_ids[:10]  # 30 + 10 = max_model_len
     assert out.finish_reason == "length"
     # a prompt of max_model_len - 1 tokens gets exactly one token
@@ -418,8 +401,5 @@ def test_abort_waiting_request(model_dir):
     assert not eng.scheduler.waiting
     done = _run_to_end(eng)
     assert set(done) == {"a"}
-    assert (
-        done["a"].output_token_ids
-        == make_engine(model_dir).generate([prompts[0]], params)[0].output_token_ids
-    )
+    assert done["a"].output_token_ids == make_engine(model_dir).generate([prompts[0]], params)[0].output_token_ids
     _assert_all_freed(eng)

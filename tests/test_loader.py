@@ -180,9 +180,7 @@ def test_bf16_checkpoint_auto_dtype(arch, model_dir, tmp_path):
     assert eng.dtype == torch.bfloat16
     assert {p.dtype for p in eng.model.parameters()} == {torch.bfloat16}
     assert {t.dtype for t in eng.cache.kv.values()} == {torch.bfloat16}
-    assert all(
-        t.dtype == torch.float32 for t in eng.cache.recurrent.values()
-    )  # KDA state stays fp32
+    assert all(t.dtype == torch.float32 for t in eng.cache.recurrent.values())  # KDA state stays fp32
     assert make_engine(d, dtype="float32").dtype == torch.float32  # an explicit dtype wins
 
     fp32 = make_engine(model_dir)

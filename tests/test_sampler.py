@@ -41,10 +41,7 @@ def test_same_seed_same_tokens_across_batches(model_dir):
 
 def test_different_seeds_differ(model_dir):
     eng = make_engine(model_dir)
-    outs = [
-        eng.generate([PROMPTS[0]], _sp(temperature=1.0, seed=s))[0].output_token_ids
-        for s in range(4)
-    ]
+    outs = [eng.generate([PROMPTS[0]], _sp(temperature=1.0, seed=s))[0].output_token_ids for s in range(4)]
     assert len({tuple(o) for o in outs}) == 4, outs
 
 
@@ -108,9 +105,7 @@ def test_logprobs_match_model_logits(model_dir, params):
 
 def test_logprobs_zero_and_none(model_dir):
     eng = make_engine(model_dir)
-    zero, none = eng.generate(
-        [PROMPTS[2]] * 2, [_sp(temperature=0, logprobs=0), _sp(temperature=0)]
-    )
+    zero, none = eng.generate([PROMPTS[2]] * 2, [_sp(temperature=0, logprobs=0), _sp(temperature=0)])
     assert zero.output_token_ids == none.output_token_ids
     assert none.logprobs == []
     assert len(zero.logprobs) == 12
@@ -215,9 +210,7 @@ def test_draw_frequencies_follow_filtered_probs():
     want = filtered_probs(row, 0.7, 3, 1.0)
     n = 4000
     counts = torch.zeros(5)
-    for tok, _ in sampler.sample(
-        row.expand(n, 5), [_req(f"r{i}", temperature=0.7, top_k=3) for i in range(n)]
-    ):
+    for tok, _ in sampler.sample(row.expand(n, 5), [_req(f"r{i}", temperature=0.7, top_k=3) for i in range(n)]):
         counts[tok] += 1
     assert counts[2] == counts[4] == 0  # outside the top 3
     assert (counts / n - want).abs().max() < 0.03, (counts / n, want)
@@ -237,10 +230,7 @@ def test_seeded_draw_depends_on_seed_and_position_only():
         ],
     )[1][0]
     assert a == b
-    draws = {
-        Sampler().sample(rows[:1], [_req("a", n_out=i, temperature=3.0, seed=11)])[0][0]
-        for i in range(20)
-    }
+    draws = {Sampler().sample(rows[:1], [_req("a", n_out=i, temperature=3.0, seed=11)])[0][0] for i in range(20)}
     assert len(draws) > 5  # the step index feeds the seed: not the same token at every position
     assert all(0 <= t < 50 for t in draws)
 
