@@ -147,6 +147,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                         self.metrics.spec_accepted.inc(out.num_accepted)
                         self.metrics.spec_verify_steps.inc(out.num_verify_steps)
                         self.metrics.spec_acceptance.observe(out.acceptance_rate)
+                        self.metrics.spec_accepted_length.observe(out.mean_accepted_length)
                     if sent > 1:
                         self.metrics.tpot.observe((time.monotonic() - t_first) / (sent - 1))
                     self.metrics.requests.labels("ok").inc()

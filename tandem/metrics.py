@@ -36,6 +36,12 @@ class WorkerMetrics:
             buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
             registry=r,
         )
+        self.spec_accepted_length = Histogram(
+            f"{p}_spec_mean_accepted_length",
+            "Per-request tokens emitted per verify step (accepted drafts + 1)",
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8),
+            registry=r,
+        )
 
     def track_engine(self, pages: Callable[[], float], slots: Callable[[], float], outstanding: Callable[[], float]):
         self.pages_in_use.set_function(pages)
