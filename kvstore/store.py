@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 class PrefixStoreConfig:
     redis_url: str | None = None
     """Shared index + remote tier level; None: in-process index and local tiers only."""
-    instance_id: str = "local"
-    """How the router knows this worker in the index (its endpoint)."""
+    instance_id: str | None = None
+    """How the router knows this worker in the index (default: its bound host:port)."""
     tier: TierConfig = field(default_factory=TierConfig)
     heartbeat_s: float = 5.0
 

@@ -10,6 +10,7 @@ breaks LMCache's token accounting on close).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -39,7 +40,6 @@ def _patch_lmcache_close() -> None:
     from lmcache.v1.storage_backend.connector import redis_connector as rc
 
     async def _close_redis(self):  # upstream awaits a blocking shutdown on its own loop: deadlock
-        await self.pq_executor.shutdown_async(wait=True)
         await self.connection.aclose()
 
     rc.RedisConnector.close = _close_redis
@@ -80,6 +80,7 @@ class LMCacheTier:
         self.bytes = 0
         self.on_evict: list[Callable[[int, bytes], None]] = []
         self.num_evictions = 0
+        self._last_key = None
 
     def _key(self, kind: int, h: bytes):
         return self._key_cls(
@@ -94,7 +95,8 @@ class LMCacheTier:
             if obj is None:
                 raise MemoryError("LMCache local CPU pool is full")
             obj.tensor.copy_(data)
-            self._sm.batched_put([self._key(kind, h)], [obj])
+            self._last_key = self._key(kind, h)
+            self._sm.batched_put([self._last_key], [obj])
             self._account(kind, h, len(blob))
 
     def _account(self, kind: int, h: bytes, size: int) -> None:
@@ -130,6 +132,41 @@ class LMCacheTier:
             if size is not None:
                 self.bytes -= size
 
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until LMCache's asynchronous puts (disk, remote) are done: no put task pending and the
+        last key put is visible in every level (put tasks register asynchronously, so both)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        levels = [n for n in self._sm.storage_backends if n != "LocalCPUBackend"]
+        while True:
+            pending = any(getattr(b, "put_tasks", None) for b in self._sm.storage_backends.values())
+            visible = self._last_key is None or all(self._sm.contains(self._last_key, [n]) for n in levels)
+            if not pending and visible:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
     def close(self) -> None:
+        # LMCache 0.5.6 closes the local CPU backend (freeing the pool) before the remote one, whose
+        # connection may still be writing from that memory: a use-after-free (segfault seen). Drain,
+        # then close every other backend first.
+        # Its RemoteBackend.close() can also wait forever on its executor's queue; we close the Redis
+        # connection ourselves, with a timeout.
+        self.drain()
         with self._lock:
+            backends = self._sm.storage_backends
+            remote = backends.pop("RemoteBackend", None)
+            if remote is not None:
+                conn = getattr(remote.connection, "_connector", remote.connection)
+                try:
+                    asyncio.run_coroutine_threadsafe(conn.connection.aclose(), remote.loop).result(timeout=5)
+                except Exception as e:  # best effort: the pool must still be freed last
+                    logger.warning("closing the LMCache Redis connection: %r", e)
+            for name in [n for n in backends if n != "LocalCPUBackend"]:
+                try:
+                    backends.pop(name).close()
+                except Exception as e:
+                    logger.warning("closing LMCache backend %s: %s", name, e)
             self._sm.close()

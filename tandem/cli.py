@@ -130,7 +130,7 @@ def _prefix_store(a: argparse.Namespace):
         local_disk_bytes=a.tier_disk_bytes,
         capacity_bytes=a.tier_capacity_bytes,
     )
-    return PrefixStoreConfig(redis_url=a.redis_url, tier=tier, instance_id=a.instance_id or f"{a.host}:{a.port}")
+    return PrefixStoreConfig(redis_url=a.redis_url, tier=tier, instance_id=a.instance_id)
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:

@@ -24,14 +24,6 @@ def free_port() -> int:
 
 
 @dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    ready: threading.Event = field(default_factory=threading.Event)
-    ready_line: str = ""
-
-
-@dataclass
 class WorkerSpec:
     role: str  # 'prefill' | 'decode'
     args: list[str] = field(default_factory=list)
@@ -41,6 +33,15 @@ class WorkerSpec:
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready: threading.Event = field(default_factory=threading.Event)
+    ready_line: str = ""
+    spec: WorkerSpec | None = None
 
 
 class LocalCluster:
@@ -56,9 +57,6 @@ class LocalCluster:
     ) -> None:
         self.model = str(model)
         self.workers = workers or [WorkerSpec("prefill"), WorkerSpec("decode")]
-        for w in self.workers:
-            w.port = w.port or free_port()
-            w.metrics_port = w.metrics_port or free_port()
         self.router_args = router_args or []
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
@@ -97,33 +95,44 @@ class LocalCluster:
                 sys.stdout.write(line)
 
     def start_worker(self, w: WorkerSpec) -> Proc:
+        # port 0: the worker binds a free port itself and reports it (no pick-then-bind race)
         args = [w.role, "--model", self.model, "--port", str(w.port), "--metrics-port", str(w.metrics_port), *w.args]
-        return self._spawn(f"{w.role}-{w.port}", args)
+        proc = self._spawn(f"{w.role}-{len(self.procs)}", args)
+        proc.spec = w
+        return proc
 
     def start(self, timeout: float = 180.0) -> LocalCluster:
         workers = [self.start_worker(w) for w in self.workers]
         self._wait(workers, timeout)
+        for p in workers:  # "TANDEM_READY <role> <host>:<port> metrics=<port>"
+            _, _, addr, metrics = p.ready_line.split()
+            p.spec.port = int(addr.rsplit(":", 1)[1])
+            p.spec.metrics_port = int(metrics.split("=", 1)[1])
         if self.start_router:
-            args = [
-                "router",
-                "--model",
-                self.model,
-                "--http-port",
-                str(self.http_port),
-                "--grpc-port",
-                str(self.grpc_port),
-            ]
-            for w in self.workers:
-                args += [f"--{w.role}", w.endpoint]
-            self._wait([self._spawn("router", args + self.router_args)], timeout)
+            for attempt in range(3):  # the router's ports are picked here: retry if one was taken meanwhile
+                args = ["router", "--model", self.model, "--http-port", str(self.http_port)]
+                args += ["--grpc-port", str(self.grpc_port)]
+                for w in self.workers:
+                    args += [f"--{w.role}", w.endpoint]
+                router = self._spawn("router", args + self.router_args)
+                try:
+                    self._wait([router], timeout, stop_on_failure=False)
+                    break
+                except RuntimeError:
+                    self.procs.remove(router)
+                    if attempt == 2:
+                        self.stop()
+                        raise
+                    self.http_port, self.grpc_port = free_port(), free_port()
         return self
 
-    def _wait(self, procs: list[Proc], timeout: float) -> None:
+    def _wait(self, procs: list[Proc], timeout: float, stop_on_failure: bool = True) -> None:
         deadline = time.monotonic() + timeout
         for p in procs:
             while not p.ready.wait(0.1):
                 if p.popen.poll() is not None:
-                    self.stop()
+                    if stop_on_failure:
+                        self.stop()
                     raise RuntimeError(f"{p.name} exited with code {p.popen.returncode} before it was ready")
                 if time.monotonic() > deadline:
                     self.stop()

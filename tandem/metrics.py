@@ -76,5 +76,7 @@ class WorkerMetrics:
             lambda: store.tier.bytes
         )
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics; port 0 picks a free one. Returns the bound port."""
+        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        return httpd.server_port

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -42,26 +43,29 @@ async def run_worker(
         lambda: engine.slots.num_used if engine.slots is not None else 0,
         lambda: engine.num_outstanding,
     )
+    # bind first: port 0 picks a free port, and the bound address names this worker in the index
+    server, health = make_server([service_name])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"{role}: cannot bind {host}:{port}")
     if metrics_port is not None:
-        metrics.serve(metrics_port, host)
+        metrics_port = metrics.serve(metrics_port, host)
     store = None
     if engine_config.enable_prefix_caching:
-        cfg = prefix_store or PrefixStoreConfig(instance_id=f"{host}:{port}")
+        cfg = prefix_store or PrefixStoreConfig()
+        if cfg.instance_id is None:
+            cfg = dataclasses.replace(cfg, instance_id=f"{host}:{bound}")
         store = PrefixStore(cfg, engine, fingerprint.model_digest[:16])
         metrics.track_prefix(engine, store)
     aengine = AsyncEngine(engine, asyncio.get_running_loop())
     aengine.start()
     service = build_service(aengine, fingerprint, metrics, model_name_of(engine_config), store)
-    server, health = make_server([service_name])
     add_service(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"{role}: cannot bind {host}:{port}")
     await server.start()
     logger.info(
         "%s worker on %s:%d (metrics %s), fingerprint %s", role, host, bound, metrics_port, fingerprint.digest[:16]
     )
-    print(f"TANDEM_READY {role} {host}:{bound}", flush=True)
+    print(f"TANDEM_READY {role} {host}:{bound} metrics={metrics_port}", flush=True)
     try:
         await serve_until_signal(server, health, [service_name], drain_seconds)
     finally:
