@@ -106,13 +106,19 @@ def bandwidth_bench(redis_url: str | None, total_mib: int, entry_kib: int) -> di
     t = time.perf_counter()
     for k, b in zip(keys, blobs, strict=True):
         tier.put(1, k, b)
-    tier.drain(120)  # until the asynchronous levels (Redis) hold everything
     store_s = time.perf_counter() - t
+    # load: a fresh tier (another replica) when there is a remote level, else this one's local CPU
+    reader = (
+        LMCacheTier(TierConfig(local_cpu_bytes=(total_mib + 64) << 20, remote_url=redis_url), "bench")
+        if redis_url
+        else tier
+    )
     t = time.perf_counter()
-    for k in keys:
-        tier.get(1, k)
+    got = sum(reader.get(1, k) is not None for k in keys)
     load_s = time.perf_counter() - t
-    tier.drain()
+    assert got == n, f"only {got}/{n} entries came back"
+    if reader is not tier:
+        reader.close()
     src = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
     dst = torch.empty_like(src)
     t = time.perf_counter()

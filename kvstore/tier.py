@@ -25,6 +25,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+class TierUnavailableError(RuntimeError):
+    pass
+
+
 @dataclass(frozen=True)
 class TierConfig:
     local_cpu_bytes: int = 256 << 20
@@ -42,7 +46,11 @@ def _patch_lmcache_close() -> None:
     async def _close_redis(self):  # upstream awaits a blocking shutdown on its own loop: deadlock
         await self.connection.aclose()
 
+    async def _close_resp(self):
+        self.client.close()
+
     rc.RedisConnector.close = _close_redis
+    rc.RESPConnector.close = _close_resp
 
 
 class LMCacheTier:
@@ -80,7 +88,8 @@ class LMCacheTier:
         self.bytes = 0
         self.on_evict: list[Callable[[int, bytes], None]] = []
         self.num_evictions = 0
-        self._last_key = None
+        self._unconfirmed: set = set()
+        self._remote_down_until = 0.0
 
     def _key(self, kind: int, h: bytes):
         return self._key_cls(
@@ -89,15 +98,45 @@ class LMCacheTier:
         )  # fmt: skip
 
     def put(self, kind: int, h: bytes, blob: bytes) -> None:
+        """Store an entry. With a remote level this returns once the remote holds it: LMCache 0.5.6's
+        redis connector corrupts its connection under concurrent large puts (the server drops it,
+        then a write touches freed memory: segfault seen), so puts go one at a time."""
+        import time
+
+        if self.config.remote_url and time.monotonic() < self._remote_down_until:
+            raise TierUnavailableError("the remote tier level failed recently; not filing for now")
+        key = self._put(kind, h, blob)
+        if self.config.remote_url and not self._confirm(key, timeout=1.0):
+            self._remote_down_until = time.monotonic() + 2.0  # circuit breaker: don't queue behind an outage
+            with self._lock:
+                self._unconfirmed.discard(key)
+            raise TierUnavailableError(f"tier put of {h.hex()[:16]} not confirmed by the remote level")
+
+    def _confirm(self, key, timeout: float) -> bool:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not self._sm.contains(key, ["RemoteBackend"]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        with self._lock:
+            self._unconfirmed.discard(key)
+        return True
+
+    def _put(self, kind: int, h: bytes, blob: bytes):
         data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(1, 1, -1)
         with self._lock:
             obj = self._sm.allocate(torch.Size(data.shape), torch.uint8, fmt=self._fmt, busy_loop=False)
             if obj is None:
                 raise MemoryError("LMCache local CPU pool is full")
             obj.tensor.copy_(data)
-            self._last_key = self._key(kind, h)
-            self._sm.batched_put([self._last_key], [obj])
+            key = self._key(kind, h)
+            if len(self._sm.storage_backends) > 1:
+                self._unconfirmed.add(key)
+            self._sm.batched_put([key], [obj])
             self._account(kind, h, len(blob))
+            return key
 
     def _account(self, kind: int, h: bytes, size: int) -> None:
         k = (kind, h)
@@ -107,6 +146,7 @@ class LMCacheTier:
         while cap is not None and self.bytes > cap and len(self._sizes) > 1:
             (old_kind, old_h), old_size = self._sizes.popitem(last=False)
             self.bytes -= old_size
+            self._unconfirmed.discard(self._key(old_kind, old_h))
             self._sm.remove(self._key(old_kind, old_h))
             self.num_evictions += 1
             for cb in self.on_evict:
@@ -127,6 +167,7 @@ class LMCacheTier:
 
     def remove(self, kind: int, h: bytes) -> None:
         with self._lock:
+            self._unconfirmed.discard(self._key(kind, h))
             self._sm.remove(self._key(kind, h))
             size = self._sizes.pop((kind, h), None)
             if size is not None:
@@ -141,12 +182,15 @@ class LMCacheTier:
         levels = [n for n in self._sm.storage_backends if n != "LocalCPUBackend"]
         while True:
             pending = any(getattr(b, "put_tasks", None) for b in self._sm.storage_backends.values())
-            visible = self._last_key is None or all(self._sm.contains(self._last_key, [n]) for n in levels)
-            if not pending and visible:
+            with self._lock:  # puts run concurrently upstream: confirm every key, not just the last
+                self._unconfirmed = {k for k in self._unconfirmed if not all(self._sm.contains(k, [n]) for n in levels)}
+                left = len(self._unconfirmed)
+            if not pending and not left:
                 return True
             if time.monotonic() > deadline:
+                logger.warning("tier drain timed out with %d puts unconfirmed", left)
                 return False
-            time.sleep(0.01)
+            time.sleep(0.0005)
 
     def close(self) -> None:
         # LMCache 0.5.6 closes the local CPU backend (freeing the pool) before the remote one, whose
@@ -154,16 +198,16 @@ class LMCacheTier:
         # then close every other backend first.
         # Its RemoteBackend.close() can also wait forever on its executor's queue; we close the Redis
         # connection ourselves, with a timeout.
-        self.drain()
+        self.drain(timeout=5.0)
         with self._lock:
             backends = self._sm.storage_backends
             remote = backends.pop("RemoteBackend", None)
             if remote is not None:
                 conn = getattr(remote.connection, "_connector", remote.connection)
                 try:
-                    asyncio.run_coroutine_threadsafe(conn.connection.aclose(), remote.loop).result(timeout=5)
+                    asyncio.run_coroutine_threadsafe(conn.close(), remote.loop).result(timeout=5)
                 except Exception as e:  # best effort: the pool must still be freed last
-                    logger.warning("closing the LMCache Redis connection: %r", e)
+                    logger.warning("closing the LMCache remote connection: %r", e)
             for name in [n for n in backends if n != "LocalCPUBackend"]:
                 try:
                     backends.pop(name).close()

@@ -14,6 +14,7 @@ from engine.fingerprint import Fingerprint, compute_fingerprint
 from engine.llm_engine import LLMEngine
 from kvstore.store import PrefixStore, PrefixStoreConfig
 from tandem.grpc_util import make_server, serve_until_signal
+from tandem.malloc import tune_malloc
 from tandem.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ async def run_worker(
     build_service: Callable[[AsyncEngine, Fingerprint, WorkerMetrics, str, PrefixStore | None], object],
     prefix_store: PrefixStoreConfig | None = None,
 ) -> None:
+    tune_malloc()
     engine = LLMEngine(engine_config)
     fingerprint = compute_fingerprint(engine_config.model, engine.model_config, engine.dtype, engine_config.page_size)
     metrics = WorkerMetrics(role)

@@ -21,17 +21,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def tensor_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[pb.TensorBytes]:
-    raw = t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
+    # One copy out of the cache (the tensor may be a strided view of pages); pieces are memoryview
+    # slices of it, copied once more into each message.
+    raw = memoryview(t.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
     total = len(raw)
+    dtype, shape = dtype_name(t.dtype), list(t.shape)
     for off in range(0, max(total, 1), max_bytes):
         data = raw[off : off + max_bytes]
         yield pb.TensorBytes(
-            dtype=dtype_name(t.dtype),
-            shape=list(t.shape),
-            offset=off,
-            total_bytes=total,
-            data=data,
-            crc32=zlib.crc32(data),
+            dtype=dtype, shape=shape, offset=off, total_bytes=total, data=bytes(data), crc32=zlib.crc32(data)
         )
 
 
@@ -45,20 +43,27 @@ class TensorAssembler:
         self.total = dtype.itemsize * _numel(shape)
         self.buf = bytearray(self.total)
         self.received = 0
+        self._offsets: set[int] = set()
 
-    def add(self, piece: pb.TensorBytes) -> None:
-        if zlib.crc32(piece.data) != piece.crc32:
+    def add(self, piece: pb.TensorBytes) -> int:
+        """Verify and place one piece; returns its payload size."""
+        data = piece.data  # each read of a bytes field is a copy under upb: read it once
+        if zlib.crc32(data) != piece.crc32:
             raise HandoffError(f"{self.what}: checksum mismatch at byte offset {piece.offset}")
         if piece.dtype != dtype_name(self.dtype) or tuple(piece.shape) != self.shape:
             raise HandoffError(
                 f"{self.what}: got {piece.dtype}{list(piece.shape)}, "
                 f"expected {dtype_name(self.dtype)}{list(self.shape)}"
             )
-        end = piece.offset + len(piece.data)
+        if piece.offset in self._offsets:
+            raise HandoffError(f"{self.what}: the piece at byte {piece.offset} was received twice")
+        self._offsets.add(piece.offset)
+        end = piece.offset + len(data)
         if piece.total_bytes != self.total or end > self.total:
             raise HandoffError(f"{self.what}: piece [{piece.offset}, {end}) outside {self.total} bytes")
-        self.buf[piece.offset : end] = piece.data
-        self.received += len(piece.data)
+        self.buf[piece.offset : end] = data
+        self.received += len(data)
+        return len(data)
         if self.received > self.total:
             raise HandoffError(f"{self.what}: more bytes than the tensor holds (duplicate piece?)")
 

@@ -109,18 +109,28 @@ class HandoffConsumer:
         self._header = True
 
     def _on_kv(self, part: pb.KVPagePart) -> None:
-        layer, p = part.layer, part.page_index
-        if layer not in self.cache.kv or p >= self.num_pages:
-            raise HandoffError(f"kv part for layer {layer} page {p} is outside the request")
-        want = min(self.n - p * self.page_size, self.page_size)
-        if part.num_tokens != want:
-            raise HandoffError(f"kv layer {layer} page {p}: {part.num_tokens} tokens, expected {want}")
-        key = ("kv", layer, p)
-        asm = self._assembler(key, f"kv layer {layer} page {p}", (want, *self.cfg.kv_entry_shape), self.dtype)
-        asm.add(part.tensor)
-        self.payload_bytes += len(part.tensor.data)
+        """Tokens [page_index * page_size, + num_tokens) of one layer; whole pages, except the
+        prompt's last one, which may be partial."""
+        layer, p0, n = part.layer, part.page_index, part.num_tokens
+        ps = self.page_size
+        start = p0 * ps
+        if layer not in self.cache.kv or n == 0 or start + n > self.n:
+            raise HandoffError(f"kv part for layer {layer} tokens [{start}, {start + n}) is outside the request")
+        if n % ps and start + n != self.n:
+            raise HandoffError(f"kv layer {layer} page {p0}: {n} tokens is not whole pages and not the prompt's end")
+        key = ("kv", layer, p0, n)
+        asm = self._assembler(key, f"kv layer {layer} pages from {p0}", (n, *self.cfg.kv_entry_shape), self.dtype)
+        self.payload_bytes += asm.add(part.tensor)
         if asm.complete:
-            self.cache.kv[layer][self.page_ids[p], :want] = asm.tensor()
+            rows = asm.tensor()
+            pages = range(p0, p0 + -(-n // ps))
+            for p in pages:
+                if ("kv", layer, p) in self._done:
+                    raise HandoffError(f"kv layer {layer} page {p} received twice")
+            for j, p in enumerate(pages):
+                chunk = rows[j * ps : (j + 1) * ps]
+                self.cache.kv[layer][self.page_ids[p], : chunk.shape[0]] = chunk
+                self._done.add(("kv", layer, p))
             self._complete(key)
             self.num_kv_parts += 1
 
@@ -144,8 +154,7 @@ class HandoffConsumer:
         hidden = self.cfg.hidden_size
         shape = (len(ids) * hidden,)
         asm = self._assembler(("aux",), "aux hidden states", shape, _dtype(part.tensor.dtype))
-        asm.add(part.tensor)
-        self.payload_bytes += len(part.tensor.data)
+        self.payload_bytes += asm.add(part.tensor)
         if asm.complete:
             flat = asm.tensor().clone()
             self._aux = {layer: flat[j * hidden : (j + 1) * hidden] for j, layer in enumerate(ids)}

@@ -62,11 +62,21 @@ class HandoffProducer:
                 continue
             table = batch.block_tables[i]
             first = self._next_page.get((rid, layer), 0)
+            ready = []
             for p in range(first, -(-end // ps)):
-                n = min(end - p * ps, ps)
-                if n < ps and not last:
+                if min(end - p * ps, ps) < ps and not last:
                     break  # still filling: sent once full, or with the prompt's last chunk
-                rows = self.cache.kv[layer][int(table[p]), :n]
+                ready.append(p)
+            # consecutive ready pages travel together (fewer, larger messages), each message at most
+            # max_bytes: split the run into groups of whole pages
+            page_bytes = ps * self.cache.kv[layer][0, 0].numel() * self.cache.kv[layer].element_size()
+            per_msg = max(1, max_bytes // page_bytes)
+            for g in range(0, len(ready), per_msg):
+                group = ready[g : g + per_msg]
+                n = min(end - group[0] * ps, len(group) * ps)
+                rows = self.cache.kv[layer][table[group[0] : group[-1] + 1]].flatten(0, 1)[:n]
                 for piece in tensor_pieces(rows, max_bytes):
-                    sink(pb.HandoffChunk(kv=pb.KVPagePart(layer=layer, page_index=p, num_tokens=n, tensor=piece)))
-                self._next_page[(rid, layer)] = p + 1
+                    part = pb.KVPagePart(layer=layer, page_index=group[0], num_tokens=n, tensor=piece)
+                    sink(pb.HandoffChunk(kv=part))
+            if ready:
+                self._next_page[(rid, layer)] = ready[-1] + 1
