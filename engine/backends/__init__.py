@@ -22,7 +22,22 @@ class Backends:
 
 
 def select_backends(device: torch.device) -> Backends:
-    # Only the reference path exists so far; the GPU issue registers kernels here per device type.
+    """The fast GPU backends (engine/backends/gpu.py) on CUDA, the PyTorch reference elsewhere.
+
+    ``TANDEM_BACKEND`` overrides: ``auto`` (default), ``torch`` (the reference everywhere, e.g. to bisect
+    a GPU mismatch), ``gpu`` (insist on the GPU path: an error off CUDA).
+    """
+    import os  # local: this function is the GPU issue's only edit in this module
+
+    choice = os.environ.get("TANDEM_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "torch", "gpu"):
+        raise ValueError(f"TANDEM_BACKEND must be auto, torch or gpu, got {choice!r}")
+    if choice == "gpu" and device.type != "cuda":
+        raise ValueError(f"TANDEM_BACKEND=gpu needs a CUDA device, the engine runs on {device}")
+    if device.type == "cuda" and choice != "torch":
+        from engine.backends.gpu import GPUAttentionBackend, GPUMoEBackend, gpu_kda_backend
+
+        return Backends(GPUAttentionBackend(), gpu_kda_backend(), GPUMoEBackend())
     return Backends(TorchAttentionBackend(), TorchKDABackend(), TorchMoEBackend())
 
 

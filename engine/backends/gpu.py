@@ -1,0 +1,357 @@
+"""GPU backends: Triton attention / short conv / routing, fla-core KDA, grouped-GEMM MoE.
+
+Same interfaces and results as torch_ref.py (the contract); only speed differs. Per-step metadata (packed
+block tables, work lists, slot tensors) is built on the first layer that sees a ForwardBatch and reused by
+every later layer of that step: the backends remember the last batch object they saw (by identity).
+
+Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.backends.base import AttentionBackend, KDABackend, MLADims, MoEBackend
+from engine.forward_batch import ForwardBatch
+from kernels.kda.fla_adapter import chunk_kda_varlen, fused_recurrent_kda_slots
+from kernels.moe.grouped import grouped_moe
+from kernels.moe.triton import sigmoid_topk_route_triton
+from kernels.paged_attention.triton import (
+    MLA_EXPAND_MIN_Q_LEN,
+    attention_fwd,
+    pack_block_tables,
+    plan_gqa,
+    plan_mla,
+    run_mla,
+)
+from kernels.short_conv.triton import short_conv_update
+
+logger = logging.getLogger(__name__)
+
+
+class _PerStep:
+    """Values derived from one ForwardBatch, computed once and shared by all layers of the step."""
+
+    def __init__(self) -> None:
+        self._batch: ForwardBatch | None = None
+        self._values: dict[Any, Any] = {}
+
+    def get(self, batch: ForwardBatch, key: Any, build: Callable[[], Any]) -> Any:
+        if batch is not self._batch:  # a new step (the old batch stays referenced, so identity is safe)
+            self._batch, self._values = batch, {}
+        if key not in self._values:
+            self._values[key] = build()
+        return self._values[key]
+
+
+def _kept_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the rows to write, or None when all are written."""
+    keep = slot_mapping >= 0
+    return None if bool(keep.all()) else keep.nonzero()[:, 0]
+
+
+def _q_lens(batch: ForwardBatch) -> list[int]:
+    return [batch.q_len(i) for i in range(batch.num_seqs)]
+
+
+class GPUAttentionBackend(AttentionBackend):
+    """Paged GQA and MLA with the Triton kernel of kernels/paged_attention/triton.py.
+
+    MLA: sequences with fewer than ``mla_expand_min_q_len`` query rows (decode, spec verify, short chunks)
+    run in the weight-absorbed form over the latent pages; longer chunks run in the expanded form.
+    """
+
+    def __init__(self, mla_expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN) -> None:
+        self.mla_expand_min_q_len = mla_expand_min_q_len
+        self._step = _PerStep()
+
+    def _tables(self, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+        return self._step.get(batch, "tables", lambda: pack_block_tables(batch.block_tables, device))
+
+    def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
+        # rows with slot -1 reuse cached KV: find them once per step (one sync), then one index_put per layer
+        keep = self._step.get(batch, "keep", lambda: _kept_rows(batch.slot_mapping))
+        if keep is None:
+            cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
+        else:
+            cache.view(-1, *cache.shape[2:])[batch.slot_mapping[keep]] = entries[keep].to(cache.dtype)
+
+    def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        group, d = q.shape[1] // cache.shape[3], q.shape[-1]
+        meta = self._step.get(
+            batch,
+            ("gqa", group, d),
+            lambda: plan_gqa(
+                batch.query_start_loc, batch.context_lens, self._tables(batch, q.device), group, q.device, d
+            ),
+        )
+        return attention_fwd(q.contiguous(), cache[:, :, 0], cache[:, :, 1], meta, scale)
+
+    def mla(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        kv_b_weight: torch.Tensor,
+        dims: MLADims,
+        scale: float,
+    ) -> torch.Tensor:
+        h, page_size = q.shape[1], cache.shape[1]
+        parts = self._step.get(
+            batch,
+            ("mla", h, page_size, dims.kv_lora_rank),
+            lambda: plan_mla(
+                batch.query_start_loc,
+                batch.context_lens,
+                self._tables(batch, q.device),
+                h,
+                page_size,
+                dims.kv_lora_rank,
+                q.device,
+                self.mla_expand_min_q_len,
+            ),
+        )
+        return run_mla(
+            q.contiguous(),
+            cache,
+            parts,
+            kv_b_weight,
+            dims.kv_lora_rank,
+            dims.qk_nope_head_dim,
+            dims.v_head_dim,
+            scale,
+        )
+
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+KDA_CHUNK = 64  # fla's chunk size: chunk_kda's intermediate states sit every 64 tokens of a segment
+
+
+class _Round:
+    """One chunk_kda launch: one segment of each of some sequences (segments of a sequence run in order)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # token rows of the segments, concatenated
+        self.slots: list[int] = []
+        self.cu: list[int] = [0]
+        self.copies: list[tuple[str, int, int]] = []  # ("final", seg index, dst) | ("h", chunk index, dst)
+        self.num_chunks = 0  # chunk_kda's chunk count so far (each segment starts a new chunk)
+
+    def add(self, rows: range, slot: int, cks: list[tuple[int, int]]) -> None:
+        """Add a segment; cks are (offset into the segment, dst slot), 0 < offset <= len, offset % 64 == 0
+        unless it is the segment's end."""
+        seg = len(self.slots)
+        for off, dst in cks:
+            if off == len(rows):
+                self.copies.append(("final", seg, dst))
+            else:
+                self.copies.append(("h", self.num_chunks + off // KDA_CHUNK, dst))
+        self.rows.extend(rows)
+        self.slots.append(slot)
+        self.cu.append(self.cu[-1] + len(rows))
+        self.num_chunks += -(-len(rows) // KDA_CHUNK)
+
+    @property
+    def needs_h(self) -> bool:
+        return any(kind == "h" for kind, _, _ in self.copies)
+
+
+class _KDAStep:
+    """Slot bookkeeping of one step for the KDA layers (built once, shared by all KDA layers)."""
+
+    def __init__(self, batch: ForwardBatch, device: torch.device, exact_checkpoints: bool) -> None:
+        n = batch.num_seqs
+        q_lens = _q_lens(batch)
+        slots, qsl = batch.state_slots, batch.query_start_loc
+        cks_all = batch.checkpoints if batch.checkpoints else [()] * n
+        ints = slots + qsl + [int(b) for b in batch.has_initial_state]
+        dev = torch.tensor(ints, dtype=torch.int32).to(device, non_blocking=True)
+        self.slots, self.qsl, self.has_init = dev[:n], dev[n : 2 * n + 1], dev[2 * n + 1 :]
+        self.max_q_len = max(q_lens, default=0)
+        fresh = [s for s, init in zip(slots, batch.has_initial_state, strict=True) if not init]
+        self.fresh = torch.tensor(fresh, dtype=torch.int64).to(device) if fresh else None
+
+        # conv checkpoints: (row start, tokens of the chunk before the rung, slot, has_init, dst)
+        self.conv_cks = [
+            (qsl[i], pos - (batch.context_lens[i] - q_lens[i]), slots[i], batch.has_initial_state[i], dst)
+            for i in range(n)
+            for pos, dst in cks_all[i]
+        ]
+        dec = [i for i in range(n) if q_lens[i] == 1]
+        pre = [i for i in range(n) if q_lens[i] != 1]
+        self.all_decode = not pre
+        self.dec_slots = self.dec_rows = None
+        self.dec_copies = [(slots[i], dst) for i in dec for _, dst in cks_all[i]]  # a one-token chunk's rung is its end
+        if dec:
+            self.dec_slots = torch.tensor([slots[i] for i in dec], dtype=torch.int64).to(device)
+            if pre:
+                self.dec_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.int64).to(device)
+
+        # prefill: cut each chunk into segments at rungs that chunk_kda's intermediate states cannot give
+        # (not a multiple of 64 tokens into the current segment, or every rung when exact_checkpoints);
+        # segment j of every sequence goes into round j.
+        rounds: list[_Round] = []
+        self.pre_copies: list[tuple[int, int]] = []  # (slot, dst): rung at the chunk start (initial state)
+        for i in pre:
+            start = batch.context_lens[i] - q_lens[i]
+            seg_start, seg_cks, segs = 0, [], []
+            for pos, dst in sorted(cks_all[i]):
+                off = pos - start
+                if off == seg_start:
+                    if not segs:
+                        self.pre_copies.append((slots[i], dst))
+                    else:
+                        segs[-1][1].append((segs[-1][0].stop - segs[-1][0].start, dst))
+                    continue
+                if exact_checkpoints or (off - seg_start) % KDA_CHUNK:
+                    segs.append((range(qsl[i] + seg_start, qsl[i] + off), [*seg_cks, (off - seg_start, dst)]))
+                    seg_start, seg_cks = off, []
+                else:
+                    seg_cks.append((off - seg_start, dst))
+            if seg_start < q_lens[i] or not segs:
+                segs.append((range(qsl[i] + seg_start, qsl[i] + q_lens[i]), seg_cks))
+            for j, (rows, cks) in enumerate(segs):
+                if j == len(rounds):
+                    rounds.append(_Round())
+                rounds[j].add(rows, slots[i], cks)
+        self.rounds = [
+            (
+                torch.tensor(r.rows, dtype=torch.int64).to(device),
+                torch.tensor(r.slots, dtype=torch.int64).to(device),
+                r.cu,
+                r.copies,
+                r.needs_h,
+            )
+            for r in rounds
+        ]
+        self.rows_are_all = len(rounds) == 1 and not dec  # round 0 covers every row in order
+
+
+class GPUKDABackend(KDABackend):
+    """Short conv with the slot-indexed Triton kernel; the recurrence with fla-core.
+
+    Decode tokens (one per sequence) go through fla's fused recurrent kernel in place on the slot pool;
+    prefill chunks through ``chunk_fn`` (fla's ``chunk_kda`` by default) from gathered initial states, with
+    the final states scattered back. A request's first chunk starts from a zeroed slot.
+
+    Rung checkpoints (``batch.checkpoints``): the conv window is copied from x / the old window; the
+    recurrent state comes from chunk_kda's chunk-boundary states where the rung is a multiple of 64 tokens
+    into a segment, else the chunk is cut there (so at most two chunk_kda rounds per layer in practice).
+    The boundary states are in q/k's dtype: with a bf16 model the rung states are bf16-rounded (as vLLM's);
+    ``exact_checkpoints=True`` cuts at every rung instead (fp32 states, one round per rung).
+
+    ``chunk_fn`` has the signature of ``kernels.kda.fla_adapter.chunk_kda_varlen`` (tests inject a reference).
+    """
+
+    def __init__(self, chunk_fn: ChunkFn | None = None, exact_checkpoints: bool = False) -> None:
+        self.chunk_fn = chunk_fn or chunk_kda_varlen
+        self.exact_checkpoints = exact_checkpoints
+        self._step = _PerStep()
+
+    def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep:
+        return self._step.get(batch, "kda", lambda: _KDAStep(batch, device, self.exact_checkpoints))
+
+    def short_conv(
+        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        m = self._meta(batch, x.device)
+        w1 = weight.shape[1] - 1
+        for row0, off, slot, has_init, dst in m.conv_cks:  # before the kernel updates the windows in place
+            # the window after `off` tokens of this chunk: the last W-1 columns of [old window | x[:off]^T]
+            if off >= w1:
+                conv_cache[dst, :, :w1] = x[row0 + off - w1 : row0 + off].t()
+            else:
+                prev = conv_cache[slot, :, off:w1] if has_init else conv_cache.new_zeros(x.shape[1], w1 - off)
+                conv_cache[dst, :, :w1] = torch.cat([prev, x[row0 : row0 + off].t().to(conv_cache.dtype)], dim=-1)
+        return short_conv_update(
+            x.contiguous(), weight.contiguous(), conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len
+        )
+
+    def recurrence(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        m = self._meta(batch, q.device)
+        if m.fresh is not None:
+            state_cache[m.fresh] = 0.0
+        for slot, dst in m.pre_copies:
+            state_cache[dst] = state_cache[slot]
+        if m.all_decode:
+            out = fused_recurrent_kda_slots(q, k, v, g, beta, state_cache, m.dec_slots).float()
+            for slot, dst in m.dec_copies:
+                state_cache[dst] = state_cache[slot]
+            return out
+        out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
+        if m.dec_rows is not None:
+            sel = (x[m.dec_rows] for x in (q, k, v, g, beta))
+            out[m.dec_rows] = fused_recurrent_kda_slots(*sel, state_cache, m.dec_slots).float()
+            for slot, dst in m.dec_copies:
+                state_cache[dst] = state_cache[slot]
+        for rows, slots, cu, copies, needs_h in m.rounds:
+            sel = (q, k, v, g, beta) if m.rows_are_all else (x[rows] for x in (q, k, v, g, beta))
+            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h)
+            state_cache[slots] = final.to(state_cache.dtype)
+            for kind, index, dst in copies:
+                state_cache[dst] = (final if kind == "final" else h)[index].to(state_cache.dtype)
+            if m.rows_are_all:
+                out.copy_(o)
+            else:
+                out[rows] = o.float()
+        return out
+
+
+class GPUMoEBackend(MoEBackend):
+    """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens."""
+
+    def __init__(self, experts_impl: str = "auto") -> None:
+        self.experts_impl = experts_impl
+
+    def route(
+        self,
+        router_logits: torch.Tensor,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        renormalize: bool,
+        scaling_factor: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sigmoid_topk_route_triton(
+            router_logits.contiguous(), correction_bias, top_k, renormalize, scaling_factor
+        )
+
+    def experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
+        return grouped_moe(x, weights, ids, w1, w3, w2, impl=self.experts_impl)
+
+
+def gpu_kda_backend() -> KDABackend:
+    """fla-core's KDA when importable, else the reference recurrence (correct, slow) with a warning."""
+    from kernels.kda.fla_adapter import fla_available
+
+    if fla_available():
+        return GPUKDABackend()
+    from engine.backends.torch_ref import TorchKDABackend
+
+    logger.warning(
+        "fla-core is not importable: KDA runs the PyTorch reference on the GPU (pip install fla-core==0.6.0)"
+    )
+    return TorchKDABackend()
+
+
+__all__ = ["GPUAttentionBackend", "GPUKDABackend", "GPUMoEBackend", "gpu_kda_backend"]

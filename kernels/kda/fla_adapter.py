@@ -1,0 +1,171 @@
+"""KDA through fla-core 0.6.0: the only module that touches fla. Contract: kernels/kda/naive.py.
+
+- ``chunk_kda_varlen``: prefill / chunked prefill of a varlen batch (chunked WY form, 64-token chunks),
+  from per-sequence fp32 initial states, optionally returning the chunk-boundary states.
+- ``fused_recurrent_kda_slots``: decode and spec verify, reading and writing the fp32 state pool in place
+  through slot indices. It wraps ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``, which is **not**
+  public API (not re-exported by ``fla.ops.kda``); its slot contract is pinned by tests/kernels/test_kda_fla.py.
+
+fla is imported inside the functions, so the CPU engine (and any process that blocks fla, like the HF
+oracle tests) never imports it. Both paths L2-normalise q and k in the kernel (eps 1e-6 inside the sqrt)
+and scale q by K^-1/2, like the naive reference; g is the activated log-decay, beta the post-sigmoid beta.
+
+Layouts (flat varlen, as ForwardBatch): q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; states [*, H, K, V] fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+
+FLA_VERSION = "0.6.0"
+
+
+def fla_available() -> bool:
+    """True when fla-core can be imported (it may be blocked on purpose, e.g. in the HF-parity tests)."""
+    try:
+        return importlib.util.find_spec("fla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_qkv(q, k, v, g, beta) -> None:
+    if q.ndim != 3 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must be [T, H, K] of one shape, got {q.shape}, {k.shape}, {g.shape}")
+    if v.ndim != 3 or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
+        raise ValueError(f"v must be [T, H, V] and beta [T, H] for q {tuple(q.shape)}, got {v.shape}, {beta.shape}")
+
+
+def _flat(*xs: torch.Tensor) -> list[torch.Tensor]:
+    return [x.contiguous()[None] for x in xs]
+
+
+def chunk_kda_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    return_intermediate_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA over N sequences packed along T (CUDA only: fla's chunk kernels fail under the interpreter).
+
+    Args:
+        q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H].
+        initial_state: [N, H, K, V] fp32 (zeros for a first chunk); not modified.
+        cu_seqlens: N+1 offsets (host ints preferred: fla needs them on the host too).
+        return_intermediate_states: also return fla's chunk-boundary states.
+    Returns:
+        o [T, H, V] (v's dtype), final_state [N, H, K, V] fp32, and h [NT, H, K, V] **bf16** or None.
+        h[c] is the state entering the c-th 64-token chunk (chunks counted over all sequences in order, each
+        sequence starting a new chunk), i.e. for sequence i the state after 64*j of its tokens.
+        bench/gpu_kernels_check.py checks that reading against the recurrence.
+    """
+    from fla.ops.kda import chunk_kda
+
+    _check_qkv(q, k, v, g, beta)
+    if initial_state.dtype != torch.float32:
+        raise ValueError(f"initial_state must be fp32 (fla asserts it), got {initial_state.dtype}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_cpu = cu_seqlens.to("cpu", torch.int64)
+    else:
+        cu_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
+    n = cu_cpu.numel() - 1
+    if initial_state.shape != (n, q.shape[1], q.shape[2], v.shape[2]):
+        raise ValueError(f"initial_state must be [{n}, H, K, V], got {tuple(initial_state.shape)}")
+    if int(cu_cpu[0]) != 0 or int(cu_cpu[-1]) != q.shape[0]:
+        raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[0]}")
+    q_, k_, v_, g_, b_ = _flat(q, k, v, g.float(), beta)
+    kwargs = dict(
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_cpu.to(q.device, non_blocking=True),
+        cu_seqlens_cpu=cu_cpu,
+    )
+    if return_intermediate_states:
+        with torch.inference_mode():
+            o, final, h = chunk_kda(q_, k_, v_, g_, b_, return_intermediate_states=True, **kwargs)
+        return o[0], final, h[0]
+    o, final = chunk_kda(q_, k_, v_, g_, b_, **kwargs)
+    return o[0], final, None
+
+
+def fused_recurrent_kda_slots(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token-by-token KDA against a slot pool, in place (decode and speculative verify).
+
+    Args:
+        q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H].
+        state_pool: [num_slots, H, K, V] fp32, read and written in place.
+        ssm_state_indices:
+            1-D [N] (decode): sequence n is the single token n (T == N); reads and writes slot idx[n].
+            2-D [N, L] (spec verify): sequence n has up to L tokens (``cu_seqlens`` [N+1] when lengths differ,
+            else T == N*L). Its initial state is slot ``idx[n, num_accepted_tokens[n] - 1]`` (``idx[n, 0]`` when
+            num_accepted_tokens is None); the state after its token t goes to slot ``idx[n, t]``.
+            Rollback is free: the next step reads the column of its last accepted token.
+        num_accepted_tokens: [N] int32, >= 1 (2-D indices only).
+        cu_seqlens: [N+1] offsets (2-D indices); zero-length sequences are skipped (padding).
+    Returns: o [T, H, V] in v's dtype.
+    """
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    _check_qkv(q, k, v, g, beta)
+    h, kd, vd = q.shape[1], q.shape[2], v.shape[2]
+    if state_pool.ndim != 4 or state_pool.shape[1:] != (h, kd, vd) or not state_pool.is_contiguous():
+        raise ValueError(f"state_pool must be a contiguous [slots, {h}, {kd}, {vd}], got {tuple(state_pool.shape)}")
+    idx = ssm_state_indices.to(device=q.device, dtype=torch.int32).contiguous()
+    t = q.shape[0]
+    if idx.ndim == 1:
+        if idx.shape[0] != t or num_accepted_tokens is not None or cu_seqlens is not None:
+            raise ValueError("1-D ssm_state_indices means one token per sequence: [T] indices, no cu_seqlens/accepted")
+        q_, k_, v_, g_, b_ = (x.contiguous()[:, None] for x in (q, k, v, g.float(), beta))  # B=N, T=1
+        cu = None
+    elif idx.ndim == 2:
+        n, width = idx.shape
+        if cu_seqlens is None:
+            if t != n * width:
+                raise ValueError(f"without cu_seqlens T must be N*L = {n * width}, got {t}")
+            q_, k_, v_, g_, b_ = (x.contiguous().view(n, width, *x.shape[1:]) for x in (q, k, v, g.float(), beta))
+            cu = None
+        else:
+            if cu_seqlens.shape != (n + 1,):
+                raise ValueError(f"cu_seqlens must be [{n + 1}], got {tuple(cu_seqlens.shape)}")
+            q_, k_, v_, g_, b_ = _flat(q, k, v, g.float(), beta)
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+        if num_accepted_tokens is not None:
+            if num_accepted_tokens.shape != (n,):
+                raise ValueError(f"num_accepted_tokens must be [{n}], got {tuple(num_accepted_tokens.shape)}")
+            num_accepted_tokens = num_accepted_tokens.to(device=q.device, dtype=torch.int32).contiguous()
+    else:
+        raise ValueError(f"ssm_state_indices must be 1-D or 2-D, got {idx.ndim}-D")
+    o, _ = fused_recurrent_kda_fwd(
+        q=q_,
+        k=k_,
+        v=v_,
+        g=g_,
+        beta=b_,
+        initial_state=state_pool,
+        inplace_final_state=True,
+        cu_seqlens=cu,
+        ssm_state_indices=idx,
+        num_accepted_tokens=num_accepted_tokens,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o.reshape(t, h, vd)
+
+
+__all__ = ["FLA_VERSION", "chunk_kda_varlen", "fla_available", "fused_recurrent_kda_slots"]

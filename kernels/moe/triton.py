@@ -1,0 +1,111 @@
+"""Sigmoid top-k routing (Kimi / DeepSeek-V3 style) as one Triton kernel. Contract: kernels/moe/naive.py.
+
+One program routes BLOCK_T tokens over all E experts: sigmoid, + correction bias (selection only), top-k by
+k rounds of argmax, gather the unbiased scores, renormalise, scale. Replaces ~7 small torch kernels
+(sigmoid, add, topk, gather, sum, div, mul); bench/gpu_kernels_check.py times both.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_utils import check_device, next_pow2
+
+
+@triton.jit
+def _sigmoid_topk_kernel(
+    LOGITS,  # [T, E]
+    BIAS,  # [E]
+    W_OUT,  # [T, K] fp32
+    ID_OUT,  # [T, K] int64
+    T,
+    E,
+    stride_l,
+    scaling,
+    TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_e = tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    p_l = LOGITS + o_t[:, None].to(tl.int64) * stride_l + o_e[None, :]
+    b_s = tl.sigmoid(tl.load(p_l, mask=m_t[:, None] & m_e[None, :], other=0.0).to(tl.float32))
+    if HAS_BIAS:
+        b_choice = b_s + tl.load(BIAS + o_e, mask=m_e, other=0.0).to(tl.float32)[None, :]
+    else:
+        b_choice = b_s
+    b_choice = tl.where(m_e[None, :], b_choice, float("-inf"))
+    o_k = tl.arange(0, BLOCK_K)
+    b_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    b_id = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        b_idx = tl.argmax(b_choice, 1)  # [BLOCK_T]
+        m_sel = o_e[None, :] == b_idx[:, None]
+        b_wj = tl.sum(tl.where(m_sel, b_s, 0.0), 1)
+        b_w = tl.where(o_k[None, :] == j, b_wj[:, None], b_w)
+        b_id = tl.where(o_k[None, :] == j, b_idx[:, None], b_id)
+        b_choice = tl.where(m_sel, float("-inf"), b_choice)
+    if RENORM:
+        b_w = b_w / (tl.sum(b_w, 1)[:, None] + 1e-20)
+    b_w = b_w * scaling
+    m_o = m_t[:, None] & (o_k < TOP_K)[None, :]
+    o_out = o_t[:, None].to(tl.int64) * TOP_K + o_k[None, :]
+    tl.store(W_OUT + o_out, b_w, mask=m_o)
+    tl.store(ID_OUT + o_out, b_id.to(tl.int64), mask=m_o)
+
+
+def sigmoid_topk_route_triton(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (any float dtype; math in fp32) -> (weights [T, k] fp32, expert ids [T, k] int64).
+
+    Same result as ``naive.sigmoid_topk_route`` up to the order of the k picks (the reference's topk is
+    unsorted; here they come out best first). Ties pick the lower expert id.
+    """
+    check_device("sigmoid_topk_route_triton", router_logits)
+    if router_logits.ndim != 2 or router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits must be [T, E] with a unit stride on E, got {tuple(router_logits.shape)}")
+    t, e = router_logits.shape
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    if correction_bias is not None and correction_bias.shape != (e,):
+        raise ValueError(f"correction_bias must be [{e}], got {tuple(correction_bias.shape)}")
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if t == 0:
+        return weights, ids
+    block_e = next_pow2(e)
+    block_t = max(1, min(16, 4096 // block_e))
+    _sigmoid_topk_kernel[(triton.cdiv(t, block_t),)](
+        router_logits,
+        correction_bias.contiguous() if correction_bias is not None else router_logits,
+        weights,
+        ids,
+        t,
+        e,
+        router_logits.stride(0),
+        float(scaling_factor),
+        TOP_K=top_k,
+        HAS_BIAS=correction_bias is not None,
+        RENORM=renormalize,
+        BLOCK_T=block_t,
+        BLOCK_E=block_e,
+        BLOCK_K=next_pow2(top_k),
+        num_warps=4,
+    )
+    return weights, ids
+
+
+__all__ = ["sigmoid_topk_route_triton"]

@@ -1,0 +1,212 @@
+"""Triton short convolution with per-sequence state slots, for prefill chunks, decode and spec verify.
+
+Contracts: kernels/short_conv/naive.py (plain) and kernels/short_conv/naive_spec.py (slot-indexed, with
+``num_accepted`` and the spec write). One program owns one (sequence, channel block): it reads the window,
+walks the sequence's tokens in tiles of BLOCK_T (conv + SiLU, fp32 accumulation), then writes the new state
+after a barrier, so reading and updating one slot in place is race free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_utils import check_device, next_pow2
+
+
+@triton.jit
+def _short_conv_kernel(
+    X,  # [T, C]
+    Y,  # [T, C]
+    STATE,  # [slots, C, S]
+    W,  # [C, KW]
+    SLOTS,  # [N] int32 (-1: padding, skipped)
+    QSL,  # [N + 1] int32
+    ACC,  # [N] int32 num_accepted (if HAS_ACC)
+    INIT,  # [N] int32 has_initial_state
+    C,
+    S,
+    stride_x_t,
+    stride_y_t,
+    stride_st_n,
+    stride_st_c,
+    stride_w_c,
+    KW: tl.constexpr,
+    SPEC: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    i_n = tl.program_id(0)
+    i_c = tl.program_id(1)
+    slot = tl.load(SLOTS + i_n).to(tl.int64)
+    if slot < 0:
+        return
+    bos = tl.load(QSL + i_n)
+    seq_len = tl.load(QSL + i_n + 1) - bos
+    init = tl.load(INIT + i_n)
+    if HAS_ACC:
+        off = tl.load(ACC + i_n) - 1
+    else:
+        off = 0
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    m_ci = m_c & ((o_c * 0 + init) != 0)  # channels whose old window is read (zeros on a first chunk)
+    p_st = STATE + slot * stride_st_n + o_c.to(tl.int64) * stride_st_c  # [BLOCK_C] row starts of this slot
+    p_x = X + bos.to(tl.int64) * stride_x_t + o_c[None, :]
+    p_y = Y + bos.to(tl.int64) * stride_y_t + o_c[None, :]
+
+    for t0 in range(0, seq_len, BLOCK_T):
+        o_t = t0 + tl.arange(0, BLOCK_T)
+        m_t = o_t < seq_len
+        b_acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(KW):
+            # input feeding tap j of token t: x[t - (KW-1) + j], or window column off + j + t for t - (KW-1) + j < 0
+            o_src = o_t - (KW - 1) + j
+            b_w = tl.load(W + o_c * stride_w_c + j, mask=m_c, other=0.0).to(tl.float32)
+            m_x = (m_t & (o_src >= 0))[:, None] & m_c[None, :]
+            b_x = tl.load(p_x + o_src[:, None].to(tl.int64) * stride_x_t, mask=m_x, other=0.0).to(tl.float32)
+            m_s = (m_t & (o_src < 0))[:, None] & m_ci[None, :]
+            b_s = tl.load(p_st[None, :] + (off + KW - 1 + o_src)[:, None], mask=m_s, other=0.0).to(tl.float32)
+            b_acc += (b_x + b_s) * b_w[None, :]
+        b_y = b_acc * tl.sigmoid(b_acc)
+        m_y = m_t[:, None] & m_c[None, :]
+        tl.store(p_y + o_t[:, None].to(tl.int64) * stride_y_t, b_y.to(Y.dtype.element_ty), mask=m_y)
+
+    # the new state, column by column: from the old state (below the split) or from x
+    o_s = tl.arange(0, BLOCK_S)
+    if SPEC:
+        n_cols = KW - 2 + seq_len
+        m_old = o_s < KW - 2
+        o_old = off + 1 + o_s
+        o_xi = o_s - (KW - 2)
+    else:
+        n_cols = KW - 1
+        o_xi = seq_len - (KW - 1) + o_s
+        m_old = o_xi < 0
+        o_old = off + KW - 1 + o_xi
+    m_w = (o_s < n_cols)[None, :] & m_c[:, None]
+    b_old = tl.load(p_st[:, None] + o_old[None, :], mask=m_w & m_old[None, :] & m_ci[:, None], other=0.0)
+    p_xs = X + (bos + o_xi).to(tl.int64)[None, :] * stride_x_t + o_c[:, None]
+    b_new = tl.load(p_xs, mask=m_w & (~m_old)[None, :], other=0.0).to(STATE.dtype.element_ty)
+    b_new = tl.where(m_old[None, :], b_old, b_new)
+    tl.debug_barrier()  # all reads of this slot (above) happen before any write
+    tl.store(p_st[:, None] + o_s[None, :], b_new, mask=m_w)
+
+
+def _as_int32(x, n: int, device: torch.device, name: str) -> torch.Tensor:
+    t = (
+        x.to(device=device, dtype=torch.int32)
+        if isinstance(x, torch.Tensor)
+        else torch.tensor(list(x), dtype=torch.int32)
+    )
+    if t.shape != (n,):
+        raise ValueError(f"{name} must have {n} entries, got {tuple(t.shape)}")
+    return t.to(device, non_blocking=True)
+
+
+def short_conv_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: Sequence[int] | torch.Tensor,
+    query_start_loc: Sequence[int] | torch.Tensor,
+    has_initial_state: Sequence[bool] | torch.Tensor | None = None,
+    num_accepted: Sequence[int] | torch.Tensor | None = None,
+    spec: bool = False,
+    out: torch.Tensor | None = None,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over a varlen batch, reading and updating each sequence's state slot.
+
+    Args:
+        x: [T, C] pre-conv inputs of all sequences, concatenated (unit stride on C).
+        weight: [C, W] depthwise kernels (W >= 2).
+        conv_state: [num_slots, C, S] with S >= W-1 (W-1+num_spec for spec decoding); updated in place.
+        slots: [N] state slot of each sequence; -1 marks a padding sequence (skipped, its rows of y untouched).
+        query_start_loc: [N+1] row offsets of the sequences in x.
+        has_initial_state: [N]; False reads a zero window (a request's first chunk). Default all True.
+        num_accepted: [N] accepted tokens of the previous verify step (window at column num_accepted-1);
+            None means 1 (column 0, the plain contract).
+        spec: use the spec write (x lands at columns W-2..; see naive_spec.py) instead of the plain one.
+        max_q_len: longest sequence (tile-size hint when query_start_loc is a device tensor).
+    Returns: y [T, C] in x's dtype.
+
+    With slots/num_accepted as host lists the wrapper checks the contract's bounds; device tensors skip the
+    checks (no sync). Example (decode of N sequences, one token each)::
+
+        y = short_conv_update(x, w, cache.conv[layer], slots, list(range(N + 1)))
+    """
+    check_device("short_conv_update", x, weight, conv_state)
+    if x.ndim != 2 or weight.ndim != 2 or conv_state.ndim != 3:
+        raise ValueError(f"x [T, C], weight [C, W], conv_state [slots, C, S]; got {x.shape}, {weight.shape}")
+    t, c = x.shape
+    kw = weight.shape[1]
+    s = conv_state.shape[2]
+    if weight.shape[0] != c or conv_state.shape[1] != c:
+        raise ValueError(f"channels differ: x {c}, weight {weight.shape[0]}, conv_state {conv_state.shape[1]}")
+    if kw < 2 or s < kw - 1:
+        raise ValueError(f"need W >= 2 and a state width >= W-1, got W={kw}, S={s}")
+    if conv_state.stride(2) != 1 or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x, weight and conv_state need a unit stride on their last axis")
+    n = len(slots)
+    device = x.device
+    if not isinstance(query_start_loc, torch.Tensor):
+        qsl = list(query_start_loc)
+        if len(qsl) != n + 1 or qsl[0] != 0 or qsl[-1] != t:
+            raise ValueError(f"query_start_loc must have N+1={n + 1} entries from 0 to T={t}, got {qsl}")
+        max_len = max((qsl[i + 1] - qsl[i] for i in range(n)), default=0)
+        if spec and max_len > s - (kw - 2):
+            raise ValueError(f"a spec step of {max_len} tokens does not fit a state of width {s} (W={kw})")
+    else:
+        max_len = 16 if max_q_len is None else max_q_len
+    if num_accepted is not None and not isinstance(num_accepted, torch.Tensor):
+        bad = [a for a in num_accepted if not 1 <= a <= s - kw + 2]
+        if bad:
+            raise ValueError(f"num_accepted must be in [1, {s - kw + 2}] for state width {s}, got {bad}")
+    slots_t = _as_int32(slots, n, device, "slots")
+    if not isinstance(slots, torch.Tensor) and any(not -1 <= int(x_) < conv_state.shape[0] for x_ in slots):
+        raise ValueError(f"slots must be in [-1, {conv_state.shape[0]}), got {list(slots)}")
+    qsl_t = _as_int32(query_start_loc, n + 1, device, "query_start_loc")
+    init = [True] * n if has_initial_state is None else has_initial_state
+    init_t = _as_int32(init, n, device, "has_initial_state")
+    acc_t = _as_int32(num_accepted, n, device, "num_accepted") if num_accepted is not None else slots_t
+    if out is None:
+        out = torch.empty_like(x)
+    if n == 0:
+        return out
+    block_t = min(next_pow2(max_len), 16)
+    block_c = max(16, min(next_pow2(c), 4096 // block_t, 256))
+    grid = (n, triton.cdiv(c, block_c))
+    _short_conv_kernel[grid](
+        x,
+        out,
+        conv_state,
+        weight,
+        slots_t,
+        qsl_t,
+        acc_t,
+        init_t,
+        c,
+        s,
+        x.stride(0),
+        out.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        weight.stride(0),
+        KW=kw,
+        SPEC=spec,
+        HAS_ACC=num_accepted is not None,
+        BLOCK_C=block_c,
+        BLOCK_T=block_t,
+        BLOCK_S=next_pow2(max(s, kw - 1)),
+        num_warps=4,
+    )
+    return out
+
+
+__all__ = ["short_conv_update"]

@@ -1,0 +1,236 @@
+"""engine/backends/gpu.py vs the reference backends (engine/backends/torch_ref.py), and select_backends.
+
+Without CUDA the GPU backends run their Triton kernels under the interpreter and take a reference
+``chunk_fn`` for KDA prefill (fla's chunk_kda needs CUDA); with CUDA they run as in production.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.backends import Backends, select_backends
+from engine.backends.base import MLADims
+from engine.backends.gpu import GPUAttentionBackend, GPUKDABackend, GPUMoEBackend
+from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
+from engine.forward_batch import ForwardBatch
+from engine.sampling_params import SamplingParams
+from kernels.kda.naive import kda_gate, naive_chunk_kda
+from tests.conftest import make_engine, random_prompts
+from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
+
+pytestmark = pytest.mark.usefixtures("fla_unblocked")
+
+
+def reference_chunk_fn(q, k, v, g, beta, initial_state, cu_seqlens, return_intermediate_states=False):
+    """kernels/kda/naive.py with chunk_kda_varlen's signature and chunk-boundary-state convention."""
+    outs, finals, states = [], [], []
+    for i in range(len(cu_seqlens) - 1):
+        a, b = cu_seqlens[i], cu_seqlens[i + 1]
+        s = initial_state[i : i + 1]
+        pieces = range(a, b, 64) if return_intermediate_states else [a]
+        for c0 in pieces:
+            c1 = min(c0 + 64, b) if return_intermediate_states else b
+            states.append(s[0])
+            o, s = naive_chunk_kda(*(x[None, c0:c1] for x in (q, k, v, g, beta)), s)
+            outs.append(o[0])
+        finals.append(s[0])
+    h = torch.stack(states) if return_intermediate_states else None
+    return torch.cat(outs), torch.stack(finals), h
+
+
+def gpu_backends() -> Backends:
+    chunk_fn = None if ON_CUDA else reference_chunk_fn
+    return Backends(GPUAttentionBackend(), GPUKDABackend(chunk_fn=chunk_fn), GPUMoEBackend())
+
+
+def make_batch(q_lens, ctx_lens, page_size, num_pages, has_init=None, checkpoints=None, seed=0) -> ForwardBatch:
+    """A ForwardBatch as ModelRunner builds it: shuffled pages, slots 2i+1, positions at the context end."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    qsl, tables, slot_mapping, positions, used = [0], [], [], [], 0
+    for ql, ctx in zip(q_lens, ctx_lens, strict=True):
+        qsl.append(qsl[-1] + ql)
+        pages = perm[used : used + -(-ctx // page_size)]
+        used += len(pages)
+        tables.append(torch.tensor(pages, dtype=torch.int64, device=DEVICE))
+        positions.extend(range(ctx - ql, ctx))
+        slot_mapping.extend(pages[p // page_size] * page_size + p % page_size for p in range(ctx - ql, ctx))
+    n = len(q_lens)
+    return ForwardBatch(
+        input_ids=torch.zeros(qsl[-1], dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(positions, device=DEVICE),
+        query_start_loc=qsl,
+        context_lens=list(ctx_lens),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slot_mapping, device=DEVICE),
+        state_slots=[2 * i + 1 for i in range(n)],
+        has_initial_state=list(has_init)
+        if has_init is not None
+        else [c > q for q, c in zip(q_lens, ctx_lens, strict=True)],
+        logits_indices=torch.tensor([e - 1 for e in qsl[1:]], device=DEVICE),
+        checkpoints=list(checkpoints) if checkpoints is not None else [() for _ in range(n)],
+    )
+
+
+MIXED = ([1, 19, 1, 40], [33, 19, 70, 90])  # decode, first chunk, decode, chunk over a prefix
+
+
+def test_attention_gqa_and_mla_match_reference():
+    page_size, num_pages = 16, 24
+    batch = make_batch(*MIXED, page_size, num_pages)
+    gpu, ref = GPUAttentionBackend(mla_expand_min_q_len=16), TorchAttentionBackend()
+    torch.manual_seed(0)
+    t = batch.num_tokens
+    for layer in range(2):  # the second layer reuses the step's metadata
+        kv = torch.randn(num_pages, page_size, 2, 2, 32, device=DEVICE)
+        q = torch.randn(t, 4, 32, device=DEVICE)
+        assert_close(f"gqa layer {layer}", ref.gqa(q, kv, batch, 0.17), gpu.gqa(q, kv, batch, 0.17), tol(torch.float32))
+        dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        lat = torch.randn(num_pages, page_size, 40, device=DEVICE)
+        kv_b = torch.randn(2 * 32, 32, device=DEVICE) * 0.2
+        qm = torch.randn(t, 2, 24, device=DEVICE)
+        ref_o, gpu_o = ref.mla(qm, lat, batch, kv_b, dims, 0.2), gpu.mla(qm, lat, batch, kv_b, dims, 0.2)
+        assert_close(f"mla layer {layer}", ref_o, gpu_o, tol(torch.float32))
+    other = make_batch([1, 1], [5, 17], page_size, num_pages, seed=1)  # a new step: new metadata
+    q = torch.randn(2, 4, 32, device=DEVICE)
+    assert_close("gqa next step", ref.gqa(q, kv, other, 0.17), gpu.gqa(q, kv, other, 0.17), tol(torch.float32))
+
+
+def test_write_kv_skips_cached_rows():
+    batch = make_batch([3, 2], [3, 9], 4, 8)
+    batch.slot_mapping[1] = -1
+    entries = torch.randn(5, 2, 2, 8, device=DEVICE)
+    mine, theirs = torch.zeros(8, 4, 2, 2, 8, device=DEVICE), torch.zeros(8, 4, 2, 2, 8, device=DEVICE)
+    GPUAttentionBackend().write_kv(mine, batch, entries)
+    TorchAttentionBackend().write_kv(theirs, batch, entries)
+    assert torch.equal(mine, theirs)
+
+
+def _kda_inputs(t, h, kd, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(t, h, kd, generator=gen).to(DEVICE) for _ in range(3))
+    g = kda_gate(torch.randn(t, h * kd, generator=gen), torch.zeros(h), torch.zeros(h * kd), kd).to(DEVICE)
+    beta = torch.rand(t, h, generator=gen).to(DEVICE)
+    return q, k, v, g, beta
+
+
+KDA_SCENARIOS = {
+    "decode": dict(q_lens=[1, 1, 1], ctx=[5, 9, 2], has_init=None, cks=None),
+    "first_token": dict(q_lens=[1, 1], ctx=[1, 7], has_init=[False, True], cks=None),
+    "mixed": dict(q_lens=MIXED[0], ctx=MIXED[1], has_init=None, cks=None),
+    # rungs every 64 tokens: misaligned to the chunk start (cut), aligned after it (chunk-boundary state),
+    # at a chunk's end, and on a decode token
+    "checkpoints": dict(
+        q_lens=[150, 1, 64, 7],
+        ctx=[170, 128, 128, 7],
+        has_init=None,
+        cks=[((64, 20), (128, 21)), ((128, 22),), ((128, 23),), ()],
+    ),
+    "exact_checkpoints": dict(
+        q_lens=[150, 1], ctx=[170, 128], has_init=None, cks=[((64, 20), (128, 21)), ((128, 22),)]
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", list(KDA_SCENARIOS))
+def test_kda_matches_reference(scenario):
+    sc = KDA_SCENARIOS[scenario]
+    batch = make_batch(sc["q_lens"], sc["ctx"], 16, 64, has_init=sc["has_init"], checkpoints=sc["cks"])
+    h, kd, w, slots = 2, 16, 4, 24
+    torch.manual_seed(1)
+    conv = torch.randn(slots, 3 * h * kd, w - 1, device=DEVICE)
+    rec = torch.randn(slots, h, kd, kd, device=DEVICE) * 0.1
+    weight = torch.randn(3 * h * kd, w, device=DEVICE)
+    x = torch.randn(batch.num_tokens, 3 * h * kd, device=DEVICE)
+    chunk_fn = None if ON_CUDA else reference_chunk_fn
+    gpu = GPUKDABackend(chunk_fn=chunk_fn, exact_checkpoints=scenario == "exact_checkpoints")
+    ref = TorchKDABackend()
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    for layer in range(2):  # the second layer reuses the step's slot bookkeeping
+        y_ref = ref.short_conv(x, conv_ref, weight, batch)
+        y = gpu.short_conv(x, conv, weight, batch)
+        assert_close(f"conv y, layer {layer}", y_ref, y, tol(torch.float32))
+        assert_close(f"conv state, layer {layer}", conv_ref, conv, 1e-6)
+        q, k, v, g, beta = _kda_inputs(batch.num_tokens, h, kd, seed=layer)
+        o_ref = ref.recurrence(q, k, v, g, beta, rec_ref, batch)
+        o = gpu.recurrence(q, k, v, g, beta, rec, batch)
+        ratio = 1e-5 if not ON_CUDA else 5e-3  # fla's chunk kernels use TF32 dots on the GPU
+        assert o.dtype == torch.float32
+        assert_close(f"kda o, layer {layer}", o_ref, o, ratio)
+        assert_close(f"kda state, layer {layer}", rec_ref, rec, ratio)
+
+
+def test_moe_matches_reference():
+    gen = torch.Generator().manual_seed(2)
+    t, e, k, hd, i = 13, 8, 2, 32, 16
+    logits = torch.randn(t, e, generator=gen).to(DEVICE)
+    bias = (torch.randn(e, generator=gen) * 0.1).to(DEVICE)
+    gpu, ref = GPUMoEBackend(), TorchMoEBackend()
+    w_ref, ids_ref = ref.route(logits, bias, k, True, 2.446)
+    w, ids = gpu.route(logits, bias, k, True, 2.446)
+    assert torch.equal(ids.sort(1)[0], ids_ref.sort(1)[0])
+    x = torch.randn(t, hd, generator=gen).to(DEVICE)
+    w1, w3 = (torch.randn(e, i, hd, generator=gen).to(DEVICE) for _ in range(2))
+    w2 = torch.randn(e, hd, i, generator=gen).to(DEVICE)
+    assert_close(
+        "experts", ref.experts(x, w_ref, ids_ref, w1, w3, w2), gpu.experts(x, w, ids, w1, w3, w2), tol(torch.float32)
+    )
+
+
+# ---- select_backends ------------------------------------------------------------------------------
+
+
+def _kinds(b: Backends) -> tuple[type, type, type]:
+    return type(b.attention), type(b.kda), type(b.moe)
+
+
+def test_select_backends_cpu_is_reference(monkeypatch):
+    monkeypatch.delenv("TANDEM_BACKEND", raising=False)
+    assert _kinds(select_backends(torch.device("cpu"))) == (TorchAttentionBackend, TorchKDABackend, TorchMoEBackend)
+
+
+def test_select_backends_cuda_is_gpu_and_env_overrides(monkeypatch):
+    cuda = torch.device("cuda")  # select_backends only reads the device type: no GPU needed here
+    monkeypatch.delenv("TANDEM_BACKEND", raising=False)
+    assert _kinds(select_backends(cuda)) == (GPUAttentionBackend, GPUKDABackend, GPUMoEBackend)
+    monkeypatch.setenv("TANDEM_BACKEND", "torch")
+    assert _kinds(select_backends(cuda)) == (TorchAttentionBackend, TorchKDABackend, TorchMoEBackend)
+    monkeypatch.setenv("TANDEM_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backends(torch.device("cpu"))
+    monkeypatch.setenv("TANDEM_BACKEND", "fast")
+    with pytest.raises(ValueError, match="auto, torch or gpu"):
+        select_backends(cuda)
+
+
+def test_select_backends_without_fla_falls_back_for_kda(monkeypatch, caplog):
+    monkeypatch.delenv("TANDEM_BACKEND", raising=False)
+    monkeypatch.setattr("kernels.kda.fla_adapter.fla_available", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        b = select_backends(torch.device("cuda"))
+    assert _kinds(b) == (GPUAttentionBackend, TorchKDABackend, GPUMoEBackend)
+    assert "fla-core is not importable" in caplog.text
+
+
+# ---- the whole engine ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_kernels_check.py covers CUDA")
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["plain", "prefix_cache"])
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3"])
+def test_engine_tokens_match_reference(tiny_models, arch, prefix_caching):
+    """Greedy tokens of the tiny models with the GPU backends == the reference backends, through chunked
+    prefill (budget 48 tokens), mixed prefill/decode steps and, with the prefix cache, KDA rung checkpoints."""
+    prompts = random_prompts(3, [70, 9, 130], seed=5)
+    prompts.append(prompts[2][:100] + prompts[0][:10])  # shares 100 tokens with prompt 2: a prefix hit
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=48, enable_prefix_caching=prefix_caching)
+    ref = make_engine(tiny_models[arch], **kw)
+    eng = make_engine(tiny_models[arch], **kw)
+    eng.model.backends = gpu_backends()
+    expected = [o.output_token_ids for o in ref.generate(prompts, params)]
+    got = [o.output_token_ids for o in eng.generate(prompts, params)]
+    assert got == expected
