@@ -146,13 +146,14 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         prefill_req.request_id = request.request_id
         prefill_req.ClearField("speculative")  # never forward speculative settings to a producer
         prefill_req.consumer_fingerprint.CopyFrom(fingerprint_to_pb(self.fingerprint))
+        cache, page_ids, slot_ids = self.engine.import_target(res)  # a parallel engine stages and reslices
         consumer = HandoffConsumer(
             self.engine.model_config,
-            self.engine.cache,
+            cache,
             self.fingerprint,
             len(prefill_req.prompt_token_ids),
-            res.page_ids,
-            res.slot_ids,
+            page_ids,
+            slot_ids,
         )
         remaining = context.time_remaining()
         self.metrics.live_transfers.inc()

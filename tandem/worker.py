@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.fingerprint import Fingerprint, compute_fingerprint
-from engine.llm_engine import LLMEngine
+from engine.parallel import create_engine
 from kvstore.store import PrefixStore, PrefixStoreConfig
 from tandem.grpc_util import make_server, serve_until_signal
 from tandem.metrics import WorkerMetrics
@@ -34,7 +34,7 @@ async def run_worker(
     build_service: Callable[[AsyncEngine, Fingerprint, WorkerMetrics, str, PrefixStore | None], object],
     prefix_store: PrefixStoreConfig | None = None,
 ) -> None:
-    engine = LLMEngine(engine_config)
+    engine = create_engine(engine_config)
     fingerprint = compute_fingerprint(engine_config.model, engine.model_config, engine.dtype, engine_config.page_size)
     metrics = WorkerMetrics(role)
     metrics.track_engine(
@@ -68,3 +68,4 @@ async def run_worker(
         aengine.stop()
         if store is not None:
             store.close()
+        engine.close()
