@@ -50,6 +50,8 @@ class ParallelLLMEngine(LLMEngine):
             raise ParallelLayoutError(
                 f"parallel layout {p.describe()} needs {p.world_size} GPUs; {torch.cuda.device_count()} visible"
             )
+        if torch.distributed.is_initialized():
+            raise RuntimeError("one parallel engine per process: close() the other one first")
         self.parallel = p
         self._closed = False
         self._producer: HandoffProducer | None = None
@@ -178,8 +180,15 @@ class ParallelLLMEngine(LLMEngine):
     def collective_call(self, fn: Callable[[RankState], Any]) -> list[Any]:
         """fn(rank state) on every rank (fn must be picklable: a module-level function); results by rank."""
         self.groups.broadcast_command(CallCommand(fn))
-        out = self.groups.gather_objects(fn(self.rank_state))
+        try:
+            mine: Any = fn(self.rank_state)
+        except Exception as e:  # the other ranks still answer: keep the command channel in step
+            mine = e
+        out = self.groups.gather_objects(mine)
         assert out is not None
+        for rank, result in enumerate(out):
+            if isinstance(result, Exception):
+                raise RuntimeError(f"collective_call failed on rank {rank}: {result!r}") from result
         return out
 
     def close(self) -> None:

@@ -27,7 +27,10 @@ import torch
 from engine.backends.base import AttentionBackend, KDABackend, MLADims
 from engine.forward_batch import ForwardBatch
 from engine.parallel.groups import ParallelGroups
+from engine.parallel.kda_scan import apply_initial_state, scan_states, segment_kda
 from kernels.paged_attention.naive import gather_pages
+
+SCAN_CHUNK = 64  # KDA's chunk: segments start on chunk boundaries, so no rank pads a chunk it shares
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 """(query rows, their positions, sequence index, context length) -> attention output rows."""
@@ -175,5 +178,48 @@ class PCPKDABackend(KDABackend):
         # g is fp32 and beta the activation dtype; fp32 carries both exactly, in one gather
         gb = rows.gather(torch.cat([g.flatten(1), beta.float()], dim=-1))
         gg, bg = gb[:, : g[0].numel()].reshape(t, *g.shape[1:]), gb[:, g[0].numel() :].to(beta.dtype)
-        o = self.inner.recurrence(qg, kg, vg, gg, bg, state_cache, batch.full)
-        return rows.own(o)
+        full = batch.full
+        if full.is_decode_only or any(full.checkpoints):
+            # one token a sequence: nothing to split; rungs: their states come from the plain recurrence
+            return rows.own(self.inner.recurrence(qg, kg, vg, gg, bg, state_cache, full))
+        return rows.own(self._scan(qg, kg, vg, gg, bg, state_cache, full, rows))
+
+    @staticmethod
+    def _scan(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        full: ForwardBatch,
+        rows: PCPRows,
+    ) -> torch.Tensor:
+        """Each rank runs its contiguous, chunk-aligned segment of every sequence from a zero state; the
+        segments' (M, N) are all-gathered and scanned identically on every rank (engine/parallel/kda_scan.py)."""
+        size, me = rows.size, rows.rank
+        h, kd, vd = k.shape[1], k.shape[2], v.shape[2]
+        eye = torch.eye(kd, device=q.device).expand(h, kd, kd)
+        trans_final = q.new_zeros(full.num_seqs, h, kd, kd + vd, dtype=torch.float32)
+        mine = []
+        for i in range(full.num_seqs):
+            s, e = full.query_start_loc[i], full.query_start_loc[i + 1]
+            seg = -(-(e - s) // size)
+            seg = -(-seg // SCAN_CHUNK) * SCAN_CHUNK
+            lo, hi = min(s + me * seg, e), min(s + (me + 1) * seg, e)
+            trans_final[i, ..., :kd] = eye  # an empty segment passes the state on unchanged
+            if lo < hi:
+                o0, p, trans, final0 = segment_kda(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])
+                trans_final[i] = torch.cat([trans, final0], dim=-1)
+                mine.append((i, lo, hi, o0, p))
+        every = rows.groups.all_gather(trans_final)  # [pcp, seqs, H, K, K + V]
+        starts = []
+        for i, slot in enumerate(full.state_slots):
+            init = state_cache[slot] if full.has_initial_state[i] else state_cache.new_zeros(h, kd, vd)
+            states = scan_states(init.float(), every[:, i, ..., :kd], every[:, i, ..., kd:])
+            state_cache[slot] = states[-1]
+            starts.append(states[me])
+        out = q.new_zeros(q.shape[0], h, vd, dtype=torch.float32)
+        for i, lo, hi, o0, p in mine:
+            out[lo:hi] = apply_initial_state(o0, p, starts[i])
+        return rows.groups.all_reduce(out)  # every row was computed on one rank (zeros elsewhere): exact

@@ -12,7 +12,7 @@ from tests.conftest import random_prompts
 from tests.parallel import helpers
 from tests.parallel.helpers import GREEDY
 
-KW = dict(max_num_seqs=8)
+KW = dict(max_num_seqs=8, max_num_batched_tokens=256)
 LAYOUTS = [(m, ParallelConfig(pcp=n)) for n in (2, 3, 4, 8) for m in ("kimi_linear", "qwen3")]
 LAYOUTS += [(m, ParallelConfig(pcp=2, pp=2)) for m in ("kimi_linear", "qwen3")]
 LAYOUTS += [("kimi_linear", ParallelConfig(pcp=4, pp=2))]
@@ -37,8 +37,9 @@ def test_tokens_match_single_rank(pcp_engine):
         assert helpers.tokens(pcp_engine.generate([list(batch[k])], GREEDY)) == [want[k]], len(batch[k])
 
 
-@pytest.mark.parametrize("length", [24, 37])
+@pytest.mark.parametrize("length", [24, 37, 200])
 def test_prompt_logits_and_caches_equal_single_rank(pcp_engine, length):
+    """200 tokens: up to 4 KDA segments (one a rank, chunk-aligned) joined by the state scan."""
     prompt = random_prompts(1, [length], seed=52)[0]
     ref = helpers.engine(pcp_engine.model_path, **KW)
     n_pages = -(-length // ref.config.page_size)
@@ -54,7 +55,7 @@ def test_prompt_logits_and_caches_equal_single_rank(pcp_engine, length):
         for kind, layers in c.items():
             for layer, t in layers.items():
                 where = f"rank {rank} {kind} layer {layer}"
-                torch.testing.assert_close(t, want_cache[kind][layer], rtol=0, atol=1e-5, msg=where)
+                torch.testing.assert_close(t, want_cache[kind][layer], rtol=0, atol=2e-5, msg=where)
 
 
 def test_one_ulp_apart_ranks_emit_the_same_ids(pcp_engine):

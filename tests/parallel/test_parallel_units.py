@@ -3,6 +3,7 @@ microbatch split, TP slicing. (Multi-rank runs: test_parallel_{pp,tp,pcp}.py.)""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -13,11 +14,13 @@ from decode_svc.config import DecodeConfig
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_config import load_model_config
 from engine.parallel.config import ParallelConfig, ParallelLayoutError
+from engine.parallel.kda_scan import apply_initial_state, scan_states, segment_kda
 from engine.parallel.plan import split_batch
 from engine.parallel.tp import TPPlan, TPShard
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
+from kernels.kda.naive import naive_recurrent_kda
 from prefill_svc.config import PrefillConfig
 from tests.conftest import make_engine, random_prompts
 
@@ -181,3 +184,22 @@ def test_tp_shards_of_parameters(tiny_models):
     assert p.shard_of("model.layers.1.block_sparse_moe.gate.weight", (4, 64)) is None  # routing replicated
     assert p.shard_of("lm_head.weight", (512, 64)) == TPShard(0, 256, 256)
     assert p.shard_of("model.norm.weight", (64,)) is None
+
+
+# ---- the KDA state scan (PCP) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cuts", [[0, 150], [0, 64, 150], [0, 64, 64, 128, 150], [0, 37, 100, 101, 150]])
+def test_kda_segments_scanned_equal_the_whole_recurrence(cuts):
+    """Segments run from a zero state, joined by the scan, equal one run with the initial state: outputs
+    and final state (empty and single-token segments included)."""
+    gen = torch.Generator().manual_seed(5)
+    t, h, k = 150, 2, 16
+    q, kk, v = (torch.randn(t, h, k, generator=gen) for _ in range(3))
+    g = -torch.rand(t, h, k, generator=gen) * 0.3
+    beta = torch.rand(t, h, generator=gen)
+    init = torch.randn(h, k, k, generator=gen) * 0.5
+    o_ref, s_ref = naive_recurrent_kda(q[None], kk[None], v[None], g[None], beta[None], init[None])
+    parts = [segment_kda(q[a:b], kk[a:b], v[a:b], g[a:b], beta[a:b]) for a, b in itertools.pairwise(cuts)]
+    starts = scan_states(init, torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
+    o = torch.cat([apply_initial_state(p[0], p[1], starts[i]) for i, p in enumerate(parts)])
+    torch.testing.assert_close(o, o_ref[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(starts[-1], s_ref[0], rtol=0, atol=1e-5)
