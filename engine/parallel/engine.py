@@ -25,7 +25,7 @@ from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
 from engine.models.base import CausalLM
 from engine.parallel.config import ParallelLayoutError
-from engine.parallel.groups import ParallelGroups, rank_device
+from engine.parallel.groups import ParallelGroups, rank_device, resolve_backend
 from engine.parallel.launcher import RankProcesses, RankState
 from engine.parallel.plan import CallCommand, ImportCommand, StepPlan, StopCommand
 from engine.parallel.runner import StageRunner
@@ -46,6 +46,12 @@ class ParallelLLMEngine(LLMEngine):
         p = config.parallel
         p.check_model(load_model_config(config.model))  # refuse before any rank starts
         device = rank_device(resolve_device(config.device), 0)
+        backend = resolve_backend(p, device)
+        if (backend == "nccl") != (device.type == "cuda"):
+            raise ParallelLayoutError(
+                f"parallel layout {p.describe()} with backend {backend} on {device.type}: "
+                "use gloo on CPU and nccl on CUDA"
+            )
         if device.type == "cuda" and torch.cuda.device_count() < p.world_size:
             raise ParallelLayoutError(
                 f"parallel layout {p.describe()} needs {p.world_size} GPUs; {torch.cuda.device_count()} visible"

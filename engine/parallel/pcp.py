@@ -155,8 +155,9 @@ class PCPKDABackend(KDABackend):
     ) -> torch.Tensor:
         assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
         out = self.inner.short_conv(batch.rows.gather(x), conv_cache, weight, batch.full)
-        batch.stash["conv_out"] = out  # q|k|v of every row: the recurrence below needs no second gather
-        return batch.rows.own(out)
+        own = batch.rows.own(out)
+        batch.stash["conv_out"], batch.stash["conv_own"] = out, own  # q|k|v of every row, for the recurrence
+        return own
 
     def recurrence(
         self,
@@ -170,10 +171,12 @@ class PCPKDABackend(KDABackend):
     ) -> torch.Tensor:
         assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
         rows, t, h = batch.rows, batch.full.num_tokens, q.shape[1]
-        mine = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
-        conv = batch.stash.pop("conv_out", None)
-        if conv is None or conv.shape[1] != mine.shape[1] or not torch.equal(rows.own(conv), mine):
-            conv = rows.gather(mine)  # q, k, v did not come straight from short_conv: gather them
+        conv, own = batch.stash.pop("conv_out", None), batch.stash.pop("conv_own", None)
+        # Reuse the gathered conv output when q, k, v are views of what short_conv returned (the KDA layer
+        # splits it). A structural test, the same on every rank: a data-dependent one could send one rank
+        # into the fallback gather alone, and the collectives would no longer pair up.
+        if own is None or any(z.untyped_storage().data_ptr() != own.untyped_storage().data_ptr() for z in (q, k, v)):
+            conv = rows.gather(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1))
         qg, kg, vg = (z.reshape(t, h, -1) for z in conv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1))
         # g is fp32 and beta the activation dtype; fp32 carries both exactly, in one gather
         gb = rows.gather(torch.cat([g.flatten(1), beta.float()], dim=-1))
