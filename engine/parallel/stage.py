@@ -79,6 +79,8 @@ def build_stage(
     model.to_empty(device=device)
     _reset_buffers(model, cfg, device)
     tied = cfg.tie_word_embeddings
+    if tied and first and last:  # to_empty gave the two modules separate tensors: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
 
     def pick(name: str, t: torch.Tensor, expert: bool) -> tuple[str, torch.Tensor] | None:
         m = _LAYER.match(name)

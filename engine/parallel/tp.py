@@ -49,7 +49,8 @@ class TPShard:
 class TPPlan:
     def __init__(self, cfg: ModelConfig, tp: int, rank: int, shard_lm_head: bool) -> None:
         self.cfg, self.tp, self.rank = cfg, tp, rank
-        self.shard_lm_head = shard_lm_head and cfg.vocab_size % tp == 0
+        # a tied head shares the (replicated) embedding's tensor
+        self.shard_lm_head = shard_lm_head and cfg.vocab_size % tp == 0 and not cfg.tie_word_embeddings
         nkv = cfg.num_key_value_heads
         self.kv_heads = max(nkv // tp, 1)
         self.kv_start = rank * nkv // tp  # replicated KV heads: ranks of one GQA group share the head

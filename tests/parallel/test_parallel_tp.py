@@ -18,6 +18,8 @@ LAYOUTS = [
     ("deep-kimi_linear", ParallelConfig(tp=4)),
     ("deep-qwen3", ParallelConfig(tp=4, tp_shard_lm_head=True)),  # KV heads replicated; vocab-sharded head
     ("deep-kimi_linear", ParallelConfig(tp=2, pp=2)),
+    ("tied-qwen3", ParallelConfig(tp=2)),  # the head stays tied to the (replicated) embedding
+    ("tied-qwen3", ParallelConfig(tp=2, pp=2)),  # the last stage loads the embedding as its head
 ]
 DECODE = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=77, ignore_eos=True)
