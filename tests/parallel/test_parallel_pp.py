@@ -39,15 +39,17 @@ def test_greedy_tokens_match_single_rank(pp_engine):
 
 def test_prefix_hits_resume_from_stage_checkpoints(pp_engine):
     """Prompts sharing 140 tokens: the later ones resume from the 128-token rung (KDA state forked on every
-    stage from the checkpoint it wrote) and still produce the single-rank tokens."""
+    stage from the checkpoint it wrote) and still produce the single-rank tokens. The 129-token prompt's
+    first step is one token (decode-shaped): the fork still lands before its kernels, on every stage."""
     shared = random_prompts(1, [140], seed=32)[0]
     prompts = tuple(tuple(shared + tail) for tail in random_prompts(3, [3, 20, 41], seed=33))
+    prompts += (tuple(shared[:129]),)
     want = helpers.reference(pp_engine.model_path, prompts, GREEDY, **KW)
     first = pp_engine.generate([list(prompts[0])], GREEDY)
     before = pp_engine.prefix_cache.resume_tokens
     rest = pp_engine.generate([list(p) for p in prompts[1:]], GREEDY)
     assert helpers.tokens(first + rest) == want
-    assert pp_engine.prefix_cache.resume_tokens - before >= 2 * 128
+    assert pp_engine.prefix_cache.resume_tokens - before >= 3 * 128
 
 
 def test_checkpoints_are_filed_after_every_stage_wrote_them(pp_engine):
