@@ -99,7 +99,8 @@ def build_stage(
             return name, t.narrow(shard.dim - 1, shard.start, shard.size)
         return name, shard.take(t)
 
-    load_weights(model, checkpoint_files(Path(config.model)), progress=config.load_progress, transform=pick)
+    progress = config.load_progress and groups.rank == 0  # one progress bar, not one a rank
+    load_weights(model, checkpoint_files(Path(config.model)), progress=progress, transform=pick)
     model.eval().requires_grad_(False)
     tp.install_reductions(model, groups)
     model.backends = stage_backends(device, groups)
