@@ -1,4 +1,4 @@
-"""Offline throughput: prefill tokens/s and decode tokens/s of the engine on one device.
+"""Offline throughput: prefill tokens/s and decode tokens/s of the engine (one device, or --pcp/--pp/--tp ranks).
 
 tandem bench offline --model DIR --batch 16 --prompt-len 256 --output-len 64
 """
@@ -10,12 +10,12 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.parallel import create_engine
 from engine.sampling_params import SamplingParams
 
 
 def run_offline_bench(config: EngineConfig, batch: int, prompt_len: int, output_len: int) -> dict[str, float]:
-    engine = LLMEngine(config)
+    engine = create_engine(config)
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
@@ -51,4 +51,5 @@ def run_offline_bench(config: EngineConfig, batch: int, prompt_len: int, output_
     )
     for k, v in result.items():
         print(f"{k:>22}: {v:,.1f}")
+    engine.close()
     return result

@@ -20,3 +20,7 @@ class DecodeConfig:
     """The shared prefix tier + index; used when engine.enable_prefix_caching is set."""
     reserve_timeout_s: float = 30.0
     """How long a request waits for free pages/slots before RESOURCE_EXHAUSTED."""
+
+    def __post_init__(self) -> None:
+        spec = self.speculative.enabled
+        self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching, spec)

@@ -173,13 +173,14 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         prefill_req.consumer_fingerprint.CopyFrom(fingerprint_to_pb(self.fingerprint))
         prefill_req.ClearField("aux_layer_ids")
         prefill_req.aux_layer_ids.extend(self._drafter_taps())  # so the first decode step already drafts
+        cache, page_ids, slot_ids = self.engine.import_target(res)  # a parallel engine stages and reslices
         consumer = HandoffConsumer(
             self.engine.model_config,
-            self.engine.cache,
+            cache,
             self.fingerprint,
             len(prefill_req.prompt_token_ids),
-            res.page_ids,
-            res.slot_ids,
+            page_ids,
+            slot_ids,
         )
         remaining = context.time_remaining()
         self.metrics.live_transfers.inc()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.parallel.config import ParallelConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -79,6 +81,8 @@ class EngineConfig:
     cpu_threads: int = 1
     """torch intra-op threads on CPU. 1 by default: the tiny models' ops are microseconds long and
     extra threads spin against the other processes of a local cluster (measured ~70x slower)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """PCP / PP / TP layout; one process per rank, started by the engine (docs/PARALLEL.md)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -6,6 +6,7 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -15,19 +16,23 @@ from engine.block_hash import namespace
 from engine.cache.allocator import BlockAllocator
 from engine.cache.budget import cache_budget_bytes, plan_cache
 from engine.cache.prefix_cache import PrefixCache
-from engine.cache.tensors import CacheTensors
+from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
 from engine.fingerprint import model_digest
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
+from engine.models.base import CausalLM
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampleResult, ScheduledChunk, Scheduler
+from engine.scheduler import SampleResult, ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec.drafters import build_drafter
 from engine.spec.verify import token_logprobs, verify_drafts
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.producer import HandoffProducer
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +91,12 @@ class LLMEngine:
             torch.set_num_threads(config.cpu_threads)
         self.model_config = load_model_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
-        self.model, _ = load_model(config.model, self.dtype, self.device, progress=config.load_progress)
-        self.model.backends = select_backends(self.device)
+        self.model = self._load_model()
         self.tokenizer = Tokenizer(config.model)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        budget = cache_budget_bytes(config, self.device, weight_bytes)
-        layout = plan_cache(self.model_config, config, self.dtype, budget)
+        layout = self._plan_cache()
         capacity = layout.num_pages * layout.page_size
         self.max_model_len = self._max_model_len(capacity)
-        self.cache = CacheTensors(self.model_config, layout, self.dtype, self.device)
+        self.cache = self._make_cache(layout)
         self.pages = BlockAllocator("kv pages", layout.num_pages)
         self.slots = BlockAllocator("kda slots", layout.num_slots) if self.model_config.kda_layers else None
         self.prefix_cache: PrefixCache | None = None
@@ -108,7 +110,7 @@ class LLMEngine:
         self.filing_hooks: list[Callable[[list[tuple[bytes, int]], list[tuple[bytes, int]]], None]] = []
         """Called on the engine thread after each step with the (hash, page) and (hash, slot) filed
         in it, while their contents are still in place (the prefix tier copies them out here)."""
-        self.runner = ModelRunner(self.model, self.cache, self.device, config.page_size)
+        self.runner = self._make_runner()
         self.drafter = build_drafter(config.speculative, self.model, self.model_config, self.dtype, self.device)
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, Request] = {}
@@ -127,6 +129,23 @@ class LLMEngine:
             capacity // self.max_model_len,
             config.max_num_seqs,
         )
+
+    # ---- construction steps; a parallel engine (engine/parallel/engine.py) builds one stage's share ----
+    def _load_model(self) -> CausalLM:
+        model, _ = load_model(self.config.model, self.dtype, self.device, progress=self.config.load_progress)
+        model.backends = select_backends(self.device)
+        return model
+
+    def _plan_cache(self) -> CacheLayout:
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        budget = cache_budget_bytes(self.config, self.device, weight_bytes)
+        return plan_cache(self.model_config, self.config, self.dtype, budget)
+
+    def _make_cache(self, layout: CacheLayout) -> CacheTensors:
+        return CacheTensors(self.model_config, layout, self.dtype, self.device)
+
+    def _make_runner(self) -> ModelRunner:
+        return ModelRunner(self.model, self.cache, self.device, self.config.page_size)
 
     def _max_model_len(self, capacity_tokens: int) -> int:
         model_max = self.model_config.max_position_embeddings
@@ -197,6 +216,17 @@ class LLMEngine:
         )
         self._reservations[request_id] = res
         return res
+
+    def import_target(self, res: ImportReservation) -> tuple[CacheTensors, list[int], list[int]]:
+        """Where a P/D consumer writes the reserved request's pages and state: (cache, page ids, slot
+        ids). Here the engine's own cache; a parallel engine stages them and reslices per rank."""
+        return self.cache, res.page_ids, res.slot_ids
+
+    def attach_handoff_producer(self, producer: HandoffProducer) -> None:
+        """A parallel engine relays other pipeline stages' handoff chunks through the producer."""
+
+    def close(self) -> None:
+        """Release the engine's processes (a parallel engine's ranks); nothing to do in one process."""
 
     def release_import(self, res: ImportReservation) -> None:
         if self._reservations.pop(res.request_id, None) is None:
@@ -284,13 +314,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        for c in sched.chunks:  # state fork: a prefix hit's checkpoint becomes the request's own state
-            if c.request.fork_slot is not None:
-                self.cache.copy_slot(c.request.fork_slot, c.request.slot_ids[0])
-                self.slots.free([c.request.fork_slot])
-                c.request.fork_slot = None
-        logits = self.runner.execute(sched.chunks)
-        sampled, aux_rows = self._sample(sched.chunks, logits)
+        sampled, aux_rows = self._execute(sched)
         updated = self.scheduler.postprocess(sched, sampled)
         if self.scheduler.filed_pages or self.scheduler.filed_checkpoints:
             pages, ckpts = self.scheduler.filed_pages, self.scheduler.filed_checkpoints
@@ -310,6 +334,17 @@ class LLMEngine:
             if r.is_finished:
                 self._requests.pop(r.request_id, None)
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, SampleResult], dict[str, int]]:
+        """Run the scheduled chunks and sample (or verify drafts): per sampling request its result,
+        and the logits row where the drafter reads the target's aux states."""
+        for c in sched.chunks:  # state fork: a prefix hit's checkpoint becomes the request's own state
+            if c.request.fork_slot is not None:
+                self.cache.copy_slot(c.request.fork_slot, c.request.slot_ids[0])
+                self.slots.free([c.request.fork_slot])
+                c.request.fork_slot = None
+        logits = self.runner.execute(sched.chunks)
+        return self._sample(sched.chunks, logits)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> tuple[dict, dict]:
         """Sample (or verify drafts) per sampling chunk; also the row of each request's last accepted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +23,11 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq)$")
 
 class CheckpointError(ValueError):
     pass
+
+
+WeightTransform = Callable[[str, torch.Tensor, bool], "tuple[str, torch.Tensor] | None"]
+"""(parameter name, checkpoint tensor, is one expert's slice) -> (parameter name, tensor to load), or
+None to skip it. A pipeline stage skips other stages' layers; a tensor-parallel rank takes its shard."""
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -66,7 +72,9 @@ def load_model(
     return model.eval().requires_grad_(False), cfg
 
 
-def load_weights(model: CausalLM, files: list[Path], progress: bool = False) -> None:
+def load_weights(
+    model: CausalLM, files: list[Path], progress: bool = False, transform: WeightTransform | None = None
+) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     expert_loaded: dict[str, set[int]] = {}
@@ -83,6 +91,13 @@ def load_weights(model: CausalLM, files: list[Path], progress: bool = False) -> 
                     continue
                 tensor = sf.get_tensor(name)
                 m = _EXPERT.match(name)
+                if transform is not None:
+                    picked = transform(f"{m['prefix']}.{m['w']}" if m else name, tensor, m is not None)
+                    if picked is None:
+                        continue
+                    tensor = picked[1]
+                    if not m:
+                        name = picked[0]
                 if m:
                     target = f"{m['prefix']}.{m['w']}"
                     param = _param(params, target, name, f)

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SUPPORTED_TINY_ARCHS = ("kimi_linear", "qwen3")
-SUPPORTED_PRESETS = ("tiny",)
+SUPPORTED_PRESETS = ("tiny", "deep")
+"""'deep': 8 layers and 4 attention / KDA heads, so both families run pp up to 8 and tp up to 4."""
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|im_end|>", "<|im_start|>")  # ids 0..3
@@ -158,6 +159,19 @@ def _qwen3_config(dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+
+
+def _apply_preset(cfg: dict[str, Any], preset: str) -> None:
+    if preset != "deep":
+        return
+    cfg["num_hidden_layers"] = 8
+    if cfg["model_type"] == "kimi_linear":
+        cfg["num_attention_heads"] = cfg["num_key_value_heads"] = 4
+        lin = cfg["linear_attn_config"]
+        lin["num_heads"] = 4
+        lin["kda_layers"], lin["full_attn_layers"] = [1, 2, 3, 5, 6, 7], [4, 8]  # 3:1, as the real model
+    else:
+        cfg["max_window_layers"] = 8
 
 
 class _Init:
@@ -369,6 +383,7 @@ def make_tiny_model(
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
     cfg = _kimi_config(dtype) if arch == "kimi_linear" else _qwen3_config(dtype)
+    _apply_preset(cfg, preset)
     init = _Init(seed)
     (_kimi_weights if arch == "kimi_linear" else _qwen3_weights)(init, cfg)
     # Weights are always drawn in fp32 then cast, so bf16 is a rounding of the fp32 model.

@@ -72,6 +72,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.namespace_digest = fingerprint.model_digest
         self.producer = HandoffProducer(self.engine.model_config, self.engine.cache, self.engine.config.page_size)
         self.engine.model.layer_hooks.append(self.producer.on_layer)
+        self.engine.attach_handoff_producer(self.producer)  # other pipeline stages' chunks come through it
         self._outstanding_tokens = 0
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:

@@ -35,10 +35,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--enable-prefix-caching", action="store_true", help="reuse prefixes (device cache + tier)")
     p.add_argument("--kda-checkpoint-pages", type=int, default=4, help="KDA checkpoint rung interval in pages")
+    p.add_argument("--pcp", type=int, default=1, help="prefill context-parallel ranks (prefill workers)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages, at most 8")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (decode workers)")
+    p.add_argument("--pp-microbatches", type=int, default=0, help="microbatches per step under pp (0: pp)")
 
 
 def engine_config_from_args(a: argparse.Namespace):
     from engine.config import EngineConfig
+    from engine.parallel.config import ParallelConfig
 
     return EngineConfig(
         model=str(a.model or default_model()),
@@ -54,6 +59,7 @@ def engine_config_from_args(a: argparse.Namespace):
         enable_prefix_caching=a.enable_prefix_caching,
         kda_checkpoint_pages=a.kda_checkpoint_pages,
         load_progress=True,
+        parallel=ParallelConfig(pcp=a.pcp, pp=a.pp, tp=a.tp, pp_microbatches=a.pp_microbatches),
     )
 
 
@@ -74,10 +80,10 @@ def cmd_make_tiny_model(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from engine.llm_engine import LLMEngine
+    from engine.parallel import create_engine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(a))
+    engine = create_engine(engine_config_from_args(a))
     params = SamplingParams(
         max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed
     )
@@ -87,6 +93,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     for prompt, out in zip(prompts, engine.generate(prompts, params, use_tqdm=True), strict=True):
         text = engine.tokenizer.decode(out.output_token_ids)
         print(f"--- prompt: {prompt!r}\n{text}\n[{len(out.output_token_ids)} tokens, {out.finish_reason}]")
+    engine.close()
     return 0
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.fingerprint import Fingerprint, compute_fingerprint
-from engine.llm_engine import LLMEngine
+from engine.parallel import create_engine
 from kvstore.store import PrefixStore, PrefixStoreConfig
 from tandem.grpc_util import make_server, serve_until_signal
 from tandem.malloc import tune_malloc
@@ -37,7 +37,7 @@ async def run_worker(
     prefix_store: PrefixStoreConfig | None = None,
 ) -> None:
     tune_malloc()
-    engine = LLMEngine(engine_config)
+    engine = create_engine(engine_config)
     fingerprint = compute_fingerprint(engine_config.model, engine.model_config, engine.dtype, engine_config.page_size)
     metrics = WorkerMetrics(role)
     metrics.track_engine(
@@ -74,3 +74,4 @@ async def run_worker(
         aengine.stop()
         if store is not None:
             store.close()
+        engine.close()

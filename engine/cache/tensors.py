@@ -9,6 +9,7 @@ Layouts (canonical: full heads, token order inside a page):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -47,20 +48,30 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 class CacheTensors:
     """Per-layer cache storage. ``kv[layer]`` exists for attention layers, ``recurrent`` /
-    ``conv[layer]`` for KDA layers (keys are the model's 0-based layer indices)."""
+    ``conv[layer]`` for KDA layers (keys are the model's 0-based layer indices). ``layers``: only
+    these layers (a pipeline stage holds the caches of the layers it owns)."""
 
-    def __init__(self, cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: CacheLayout,
+        dtype: torch.dtype,
+        device: torch.device,
+        layers: Collection[int] | None = None,
+    ):
         self.layout = layout
+        attn = [i for i in cfg.attention_layers if layers is None or i in layers]
+        kda = [i for i in cfg.kda_layers if layers is None or i in layers]
         self.kv: dict[int, torch.Tensor] = {
             i: torch.zeros(layout.num_pages, layout.page_size, *cfg.kv_entry_shape, dtype=dtype, device=device)
-            for i in cfg.attention_layers
+            for i in attn
         }
         h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
         self.recurrent: dict[int, torch.Tensor] = {
-            i: torch.zeros(layout.num_slots, h, k, k, dtype=torch.float32, device=device) for i in cfg.kda_layers
+            i: torch.zeros(layout.num_slots, h, k, k, dtype=torch.float32, device=device) for i in kda
         }
         self.conv: dict[int, torch.Tensor] = {
-            i: torch.zeros(layout.num_slots, 3 * h * k, w - 1, dtype=dtype, device=device) for i in cfg.kda_layers
+            i: torch.zeros(layout.num_slots, 3 * h * k, w - 1, dtype=dtype, device=device) for i in kda
         }
 
     def reset_slot(self, slot: int) -> None:

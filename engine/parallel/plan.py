@@ -1,0 +1,122 @@
+"""What rank 0 sends the other ranks, and how a step is cut into pipeline microbatches.
+
+Commands travel over the ``cmd`` group (broadcast from rank 0), one per engine call:
+
+    StepPlan        run one step: the ForwardBatch (CPU tensors) plus fork copies and handoff streams
+    ImportCommand   a P/D import follows: each rank receives its slice of the pages / state (p2p)
+    CallCommand     run a function on every rank and gather the results (tests, diagnostics)
+    StopCommand     leave the loop
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class StepPlan:
+    batch: ForwardBatch
+    """The whole step, as the scheduler made it (CPU tensors; each rank moves them to its device)."""
+    forks: list[tuple[int, int]] = field(default_factory=list)
+    """(checkpoint slot, request slot): KDA state copies every stage makes before the step runs."""
+    num_microbatches: int = 1
+    num_sampled: int = 0
+    """Rows sampled this step: rank 0 broadcasts that many ids after sampling (every rank waits)."""
+    handoff: dict[str, int] = field(default_factory=dict)
+    """Requests streaming to a decode worker -> max message bytes (producer stages relay via rank 0)."""
+
+
+@dataclass
+class ImportCommand:
+    request_id: str
+
+
+@dataclass
+class CallCommand:
+    fn: Callable[[Any], Any]
+    """Called with the rank's RankState; must be picklable (a module-level function)."""
+
+
+@dataclass
+class StopCommand:
+    pass
+
+
+def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    if device.type == "cpu":
+        return batch
+    return ForwardBatch(
+        input_ids=batch.input_ids.to(device),
+        positions=batch.positions.to(device),
+        query_start_loc=batch.query_start_loc,
+        context_lens=batch.context_lens,
+        block_tables=[t.to(device) for t in batch.block_tables],
+        slot_mapping=batch.slot_mapping.to(device),
+        state_slots=batch.state_slots,
+        has_initial_state=batch.has_initial_state,
+        logits_indices=batch.logits_indices.to(device),
+        request_ids=batch.request_ids,
+        chunk_starts=batch.chunk_starts,
+        completes_prompt=batch.completes_prompt,
+        checkpoints=batch.checkpoints,
+    )
+
+
+def split_batch(batch: ForwardBatch, n: int) -> list[ForwardBatch]:
+    """Cut the step's rows into up to n contiguous pieces of nearly equal size, so pipeline stages work
+    on different pieces at once. A sequence cut in two continues in the next piece: on every stage the
+    pieces run in order, so its KV pages and KDA state are in place when the second part runs; only the
+    part that reaches the chunk's end samples, completes the prompt and files its rungs' checkpoints."""
+    t = batch.num_tokens
+    n = max(1, min(n, t))
+    if n == 1:
+        return [batch]
+    cuts = sorted({round(k * t / n) for k in range(n + 1)})
+    return [_piece(batch, a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _piece(batch: ForwardBatch, a: int, b: int) -> ForwardBatch:
+    qsl, ctx, tables, slots, init, logits = [0], [], [], [], [], []
+    rids, starts, completes, cks = [], [], [], []
+    sampling_rows = set(batch.logits_indices.tolist())
+    for i in range(batch.num_seqs):
+        s, e = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        u, w = max(a, s), min(b, e)
+        if u >= w:
+            continue
+        first_pos = batch.context_lens[i] - (e - s)  # position of the chunk's first token
+        part_start, part_end = first_pos + (u - s), first_pos + (w - s)
+        qsl.append(qsl[-1] + (w - u))
+        ctx.append(part_end)
+        tables.append(batch.block_tables[i])
+        slots.append(batch.state_slots[i])
+        init.append(batch.has_initial_state[i] if u == s else True)
+        if w == e and (e - 1) in sampling_rows:
+            logits.append(qsl[-1] - 1)
+        rids.append(batch.request_ids[i] if batch.request_ids else "")
+        starts.append(part_start)
+        completes.append(bool(batch.completes_prompt and batch.completes_prompt[i]) and w == e)
+        all_cks = batch.checkpoints[i] if batch.checkpoints else ()
+        cks.append(tuple((pos, dst) for pos, dst in all_cks if part_start < pos <= part_end))
+    return ForwardBatch(
+        input_ids=batch.input_ids[a:b],
+        positions=batch.positions[a:b],
+        query_start_loc=qsl,
+        context_lens=ctx,
+        block_tables=tables,
+        slot_mapping=batch.slot_mapping[a:b],
+        state_slots=slots,
+        has_initial_state=init,
+        logits_indices=torch.tensor(logits, dtype=torch.int64, device=batch.input_ids.device),
+        request_ids=rids,
+        chunk_starts=starts,
+        completes_prompt=completes,
+        checkpoints=cks,
+    )
