@@ -118,7 +118,8 @@ class ParallelGroups:
         if self.inner_size == 1:
             return x[None]
         out = x.new_empty(self.inner_size * x.shape[0], *x.shape[1:])
-        dist.all_gather_single(out, x.contiguous(), group=self.inner)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13 lacks the first
+        gather(out, x.contiguous(), group=self.inner)
         return out.view(self.inner_size, *x.shape)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
