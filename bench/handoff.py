@@ -259,7 +259,7 @@ async def grpc_receive(
     """One stream into ``asm`` (preallocated and reused, like the raw receiver's bytearray)."""
     from tandem.rpc import prefill_pb2 as pb
 
-    asm.received = 0
+    asm.reset()
     req = pb.PrefillRequest(request_id=rid, max_message_bytes=max_bytes)
     nbytes = 0
     with Clock(sender_pid) as c:
@@ -444,7 +444,7 @@ def _breakdown_one(sub: torch.Tensor, m: int) -> dict[str, float]:
             o += len(d)
 
     def add() -> None:
-        asm.received = 0
+        asm.reset()
         for p in pieces:
             asm.add(p)
 

@@ -67,6 +67,11 @@ class TensorAssembler:
         if self.received > self.total:
             raise HandoffError(f"{self.what}: more bytes than the tensor holds (duplicate piece?)")
 
+    def reset(self) -> None:
+        """Reuse the buffer for another tensor of the same shape."""
+        self.received = 0
+        self._offsets.clear()
+
     @property
     def complete(self) -> bool:
         return self.received == self.total
