@@ -19,6 +19,7 @@ from engine.cache.prefix_cache import PrefixCache
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
 from engine.fingerprint import model_digest
+from engine.forward_batch import ForwardBatch
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
@@ -303,11 +304,17 @@ class LLMEngine:
         req.slot_ids = self.slots.allocate(1) if self.slots is not None else []
         try:
             batch = self.runner.prepare([ScheduledChunk(req, 0, len(prompt_ids))])
-            return self.model.compute_logits(self.model(batch, self.cache))
+            batch.logits_indices = torch.arange(len(prompt_ids), device=batch.input_ids.device)
+            return self._score(batch)
         finally:
             self.pages.free(req.page_ids)
             if self.slots is not None:
                 self.slots.free(req.slot_ids)
+
+    def _score(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits at batch.logits_indices (a parallel engine runs this on every rank)."""
+        hidden = self.model(batch, self.cache)
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -20,6 +20,7 @@ import torch
 
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
+from engine.forward_batch import ForwardBatch
 from engine.llm_engine import ImportReservation, LLMEngine, RequestOutput, resolve_device
 from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
@@ -31,9 +32,9 @@ from engine.parallel.plan import CallCommand, ImportCommand, StepPlan, StopComma
 from engine.parallel.runner import StageRunner
 from engine.parallel.stage import build_stage, make_stage_cache, plan_stage_cache
 from engine.parallel.transfer import deliver_relayed, slice_for_rank, staging_cache, write_slice
-from engine.request import Request, TokenLogprobs
+from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampleResult, ScheduledChunk, SchedulerOutput
+from engine.scheduler import SampleResult, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.kv_transfer.producer import HandoffProducer
@@ -133,23 +134,8 @@ class ParallelLLMEngine(LLMEngine):
                     deliver_relayed(self._producer, chunks)
         return logits
 
-    @torch.inference_mode()
-    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        self._validate(prompt_ids, SamplingParams())
-        req = Request("score", prompt_ids, SamplingParams())
-        n_pages = -(-len(prompt_ids) // self.config.page_size)
-        if not self.pages.can_allocate(n_pages) or (self.slots is not None and not self.slots.can_allocate(1)):
-            raise RuntimeError("no free cache blocks to score the prompt")
-        req.page_ids = self.pages.allocate(n_pages)
-        req.slot_ids = self.slots.allocate(1) if self.slots is not None else []
-        try:
-            batch = self.runner.prepare([ScheduledChunk(req, 0, len(prompt_ids))])
-            batch.logits_indices = torch.arange(len(prompt_ids))
-            return self._run_plan(StepPlan(batch=batch))
-        finally:
-            self.pages.free(req.page_ids)
-            if self.slots is not None:
-                self.slots.free(req.slot_ids)
+    def _score(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._run_plan(StepPlan(batch=batch))
 
     # ---- P/D -----------------------------------------------------------------------------------------------
     def attach_handoff_producer(self, producer: HandoffProducer) -> None:
