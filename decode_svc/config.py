@@ -22,5 +22,4 @@ class DecodeConfig:
     """How long a request waits for free pages/slots before RESOURCE_EXHAUSTED."""
 
     def __post_init__(self) -> None:
-        spec = self.speculative.enabled
-        self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching, spec)
+        self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching)

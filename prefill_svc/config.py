@@ -32,6 +32,6 @@ class PrefillConfig:
                 f"(method={spec.method!r}, num_speculative_tokens={spec.num_speculative_tokens}, "
                 f"draft_model={spec.draft_model!r}); speculative decoding runs on decode workers only"
             )
-        self.engine.parallel.check_service("prefill", self.engine.enable_prefix_caching, False)
+        self.engine.parallel.check_service("prefill", self.engine.enable_prefix_caching)
         if not 0 < self.max_message_bytes <= 16 << 20:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be in (0, 16 MiB]")

@@ -133,7 +133,7 @@ class ParallelConfig:
                 f"unsupported decode layout {self.describe()}: decode workers run tp x pp; pcp is a prefill layout"
             )
 
-    def check_service(self, role: str, enable_prefix_caching: bool, speculative: bool) -> None:
+    def check_service(self, role: str, enable_prefix_caching: bool) -> None:
         self.check_role(role)
         if not self.enabled:
             return
@@ -142,9 +142,4 @@ class ParallelConfig:
                 f"unsupported {role} layout {self.describe()} with --enable-prefix-caching: the prefix tier files "
                 "and loads rank 0's cache tensors only (the engine-level prefix cache works under PP; the tier "
                 "does not yet)"
-            )
-        if speculative:
-            raise ParallelLayoutError(
-                f"unsupported {role} layout {self.describe()} with speculative decoding: drafts are not "
-                "verified across ranks yet"
             )

@@ -5,7 +5,10 @@ every rank, one broadcast command per step.
              -> StepPlan: the ForwardBatch + KDA fork copies + live handoff streams, broadcast
              -> every rank runs its part (engine/parallel/runner.py); rank 0 gets the logits
              -> relayed handoff chunks of stages > 0 reach their gRPC streams
-             -> rank 0 samples; the ids are broadcast (every rank logs the same ids)
+             -> later stages send rank 0 the aux taps they own (when a drafter or a handoff reads them)
+             -> rank 0 samples or verifies drafts; tokens + accepted counts are broadcast (every rank
+                logs the same); a rejected draft's KDA state is dropped by the slot swap rank 0's
+                scheduler makes, which every stage follows through the next plan's slot ids
              -> postprocess and file checkpoints (rank 0), after every stage finished the step
 """
 
@@ -105,23 +108,22 @@ class ParallelLLMEngine(LLMEngine):
                 forks.append((c.request.fork_slot, c.request.slot_ids[0]))
                 self.slots.free([c.request.fork_slot])
                 c.request.fork_slot = None
-        sampling = [c.request for c in sched.chunks if c.samples]
+        sampling = [c for c in sched.chunks if c.samples]
         plan = StepPlan(
             batch=self.runner.prepare(sched.chunks),
             forks=forks,
             num_microbatches=self.parallel.num_microbatches,
             num_sampled=len(sampling),
+            sample_widths=[1 + len(c.drafts) for c in sampling],
+            aux_layer_ids=self.model.aux_layer_ids,
             handoff=self._producer.streams() if self._producer is not None else {},
         )
         logits = self._run_plan(plan)
-        drawn = self.sampler.sample(logits, sampling)
+        sampled, aux_rows = self._sample(sched.chunks, logits)  # verifies drafts as one process does
         if plan.num_sampled:
-            self.stage_runner.sync_ids([token for token, _ in drawn], plan.num_sampled)
-        sampled = {
-            r.request_id: SampleResult([token], [lp] if lp is not None else [])
-            for r, (token, lp) in zip(sampling, drawn, strict=True)
-        }
-        return sampled, {}  # no drafter runs on a parallel engine (refused at startup)
+            results = [sampled[c.request.request_id] for c in sampling]
+            self.stage_runner.sync_results([(r.tokens, r.num_accepted) for r in results], plan.sample_widths)
+        return sampled, aux_rows
 
     def _run_plan(self, plan: StepPlan) -> torch.Tensor:
         self.groups.broadcast_command(plan)
@@ -132,7 +134,16 @@ class ParallelLLMEngine(LLMEngine):
                 chunks = self.groups.recv_object(self.parallel.rank_of(stage, 0))
                 if self._producer is not None:
                     deliver_relayed(self._producer, chunks)
+        if plan.aux_layer_ids:
+            self.model.aux_states = self._gather_taps(plan.aux_layer_ids)
         return logits
+
+    def _gather_taps(self, layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """[S, len(layer_ids) * hidden] in the drafter's tap order, from the stages that own each tap."""
+        taps = dict(self.stage_runner.taps)
+        for stage in range(1, self.parallel.pp):
+            taps.update(self.groups.recv_object(self.parallel.rank_of(stage, 0)))
+        return torch.cat([taps[t].to(self.device) for t in layer_ids], dim=-1)
 
     def _score(self, batch: ForwardBatch) -> torch.Tensor:
         return self._run_plan(StepPlan(batch=batch))

@@ -110,8 +110,9 @@ def serve(state: RankState) -> None:
             state.runner.run(cmd)
             if cmd.handoff and state.relay is not None:
                 g.send_object(state.relay.take(), 0)
+            state.runner.send_taps(cmd)
             if cmd.num_sampled:
-                state.runner.sync_ids(None, cmd.num_sampled)
+                state.runner.sync_results(None, cmd.sample_widths)
         elif isinstance(cmd, ImportCommand):
             write_slice(state.cache, g.recv_object(0))
         elif isinstance(cmd, CallCommand):

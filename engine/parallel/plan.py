@@ -28,7 +28,12 @@ class StepPlan:
     """(checkpoint slot, request slot): KDA state copies every stage makes before the step runs."""
     num_microbatches: int = 1
     num_sampled: int = 0
-    """Rows sampled this step: rank 0 broadcasts that many ids after sampling (every rank waits)."""
+    """Requests sampled (or verified) this step: rank 0 broadcasts their results after sampling."""
+    sample_widths: list[int] = field(default_factory=list)
+    """Per sampled request, its logits rows: 1 + its drafts (the most tokens a verify step can emit)."""
+    aux_layer_ids: tuple[int, ...] = ()
+    """Taps to capture at the logits rows (a drafter's, or a consumer's via the handoff); each stage
+    captures those it owns and its leader sends them to rank 0."""
     handoff: dict[str, int] = field(default_factory=dict)
     """Requests streaming to a decode worker -> max message bytes (producer stages relay via rank 0)."""
 
@@ -73,7 +78,8 @@ def split_batch(batch: ForwardBatch, n: int) -> list[ForwardBatch]:
     """Cut the step's rows into up to n contiguous pieces of nearly equal size, so pipeline stages work
     on different pieces at once. A sequence cut in two continues in the next piece: on every stage the
     pieces run in order, so its KV pages and KDA state are in place when the second part runs; only the
-    part that reaches the chunk's end samples, completes the prompt and files its rungs' checkpoints."""
+    part that reaches the chunk's end completes the prompt; each piece keeps its own logits rows (a
+    verify chunk has one per draft) and the rungs' checkpoints inside it."""
     t = batch.num_tokens
     n = max(1, min(n, t))
     if n == 1:
@@ -98,8 +104,7 @@ def _piece(batch: ForwardBatch, a: int, b: int) -> ForwardBatch:
         tables.append(batch.block_tables[i])
         slots.append(batch.state_slots[i])
         init.append(batch.has_initial_state[i] if u == s else True)
-        if w == e and (e - 1) in sampling_rows:
-            logits.append(qsl[-1] - 1)
+        logits += [qsl[-1] - (w - u) + (r - u) for r in range(u, w) if r in sampling_rows]
         rids.append(batch.request_ids[i] if batch.request_ids else "")
         starts.append(part_start)
         completes.append(bool(batch.completes_prompt and batch.completes_prompt[i]) and w == e)

@@ -8,7 +8,9 @@ other ranks (called by their command loop), so all ranks take the same path thro
                       ``h``, nothing else crosses) to stage + 1; last: logits of the sampling rows
     last stage's leader -> rank 0: "step done" (+ the logits), every step; so rank 0 files KDA
     checkpoints (and anything else) only after every stage has written this step's state
-    rank 0 samples; its ids are broadcast to every rank (``sync_ids``) on every step that samples
+    later stages' leaders -> rank 0: the aux taps they own (a drafter's inputs), when the plan asks
+    rank 0 samples or verifies drafts; its tokens and accepted counts are broadcast to every rank
+    (``sync_results``) on every step that samples
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from engine.parallel.stage import Stage
 EMITTED_LOG = 4096
 
 LogitsHook = Callable[[torch.Tensor], torch.Tensor]
+Settled = tuple[list[int], int]
+"""One sampled request's outcome: the tokens it emitted and how many of its drafts were accepted."""
 
 
 class StageRunner:
@@ -43,30 +47,41 @@ class StageRunner:
         self.pcp = groups.config.pcp > 1
         self.emitted: deque[int] = deque(maxlen=EMITTED_LOG)
         """The ids rank 0 sampled, as this rank received them (the last EMITTED_LOG)."""
+        self.accepted: deque[int] = deque(maxlen=EMITTED_LOG)
+        """Accepted drafts per sampled request (0 without drafts), as rank 0 settled them."""
+        self.taps: dict[int, torch.Tensor] = {}
         self.logits_hooks: list[LogitsHook] = []
         """Applied to this rank's logits before they go to the sampler (tests perturb them here)."""
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """This rank's part of the step. Returns the logits [S, V] fp32 on rank 0, None elsewhere."""
+        """This rank's part of the step. Returns the logits [S, V] fp32 on rank 0, None elsewhere; the
+        taps this stage owns (of ``plan.aux_layer_ids``) at the logits rows are left in ``self.taps``."""
         for src, dst in plan.forks:  # every stage forks its own KDA layers' state (no-op without any)
             self.cache.copy_slot(src, dst)
         batch = to_device(plan.batch, self.device)
+        own_taps = [t for t in plan.aux_layer_ids if t in self.stage.layers or (t == -1 and self.groups.is_first_stage)]
+        captured: dict[int, list[torch.Tensor]] = {t: [] for t in own_taps}
         in_flight: list[tuple[torch.distributed.Work, torch.Tensor]] = []
         parts: list[torch.Tensor] = []
         for mb in split_batch(batch, plan.num_microbatches):
             local = localize(mb, self.groups) if self.pcp else mb
             h = self._stage_input(local)
+            if -1 in captured:
+                captured[-1].append(self._rows(h, local, mb))
             for i in self.stage.layers:
                 h = self.model.model.layers[i](h, local, self.cache, self.model.backends)
+                if i in captured:
+                    captured[i].append(self._rows(h, local, mb))
                 for hook in self.model.layer_hooks:
                     hook(i, mb)
             if not self.groups.is_last_stage:
                 in_flight.append((self.groups.isend(h, self.groups.next_rank), h))
             elif mb.logits_indices.numel():
-                parts.append(self._logits(h, local, mb))
+                parts.append(self._logits(self._rows(h, local, mb)))
         for work, _ in in_flight:
             work.wait()
+        self.taps = {t: torch.cat(rows) for t, rows in captured.items()}
         return self._to_sampler(parts, batch)
 
     def _stage_input(self, local: ForwardBatch) -> torch.Tensor:
@@ -75,7 +90,8 @@ class StageRunner:
         rows = local.rows.local_rows if isinstance(local, PCPForwardBatch) and local.rows else local.num_tokens
         return self.groups.recv((rows, self.hidden_size), self.dtype, self.groups.prev_rank)
 
-    def _logits(self, h: torch.Tensor, local: ForwardBatch, mb: ForwardBatch) -> torch.Tensor:
+    def _rows(self, h: torch.Tensor, local: ForwardBatch, mb: ForwardBatch) -> torch.Tensor:
+        """h at the microbatch's logits rows [S, H], on every rank of the stage."""
         idx = mb.logits_indices
         if isinstance(local, PCPForwardBatch) and local.rows is not None:
             # each sampling row lives on one PCP rank: every rank fills its own, all-gather, pick the owner's
@@ -83,12 +99,13 @@ class StageRunner:
             buf = h.new_zeros(idx.numel(), h.shape[1])
             mine = idx % size == rank
             buf[mine] = h[idx[mine] // size]
-            rows = self.groups.all_gather(buf)[idx % size, torch.arange(idx.numel(), device=h.device)]
-        else:
-            rows = h[idx]
+            return self.groups.all_gather(buf)[idx % size, torch.arange(idx.numel(), device=h.device)]
+        return h[idx]
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(self.model.model.norm(rows)).float()
         if self.stage.tp.shard_lm_head:  # [tp, S, V / tp] -> [S, V]
-            logits = self.groups.all_gather(logits).permute(1, 0, 2).reshape(idx.numel(), -1)
+            logits = self.groups.all_gather(logits).permute(1, 0, 2).reshape(rows.shape[0], -1)
         for hook in self.logits_hooks:
             logits = hook(logits)
         return logits
@@ -108,10 +125,29 @@ class StageRunner:
                 g.isend(logits, 0).wait()
         return None
 
-    def sync_ids(self, ids: list[int] | None, n: int) -> list[int]:
-        """Rank 0 passes the ids it sampled; every rank returns (and logs) exactly those ids. Called on
-        every step whose plan samples (``plan.num_sampled``), on every rank: one predicate, no drift."""
-        sent = torch.tensor(ids, dtype=torch.int64) if ids is not None else None
+    def sync_results(self, results: list[Settled] | None, widths: list[int]) -> list[Settled]:
+        """Rank 0 passes (tokens, accepted drafts) per sampled request; every rank returns (and logs)
+        exactly those. ``widths`` (from the plan) bounds each request's tokens, so every rank knows the
+        message size: one predicate (``plan.num_sampled``), no drift. Stages that do not sample learn
+        here how many drafts each verify step kept."""
+        n = sum(1 + w for w in widths)
+        sent = None
+        if results is not None:
+            flat: list[int] = []
+            for (tokens, accepted), w in zip(results, widths, strict=True):
+                flat += [accepted, *tokens, *[-1] * (w - len(tokens))]
+            sent = torch.tensor(flat, dtype=torch.int64)
         got = self.groups.broadcast_ids(sent, n).tolist()
-        self.emitted.extend(got)
-        return got
+        out, at = [], 0
+        for w in widths:
+            accepted, tokens = got[at], [t for t in got[at + 1 : at + 1 + w] if t >= 0]
+            out.append((tokens, accepted))
+            self.emitted.extend(tokens)
+            self.accepted.append(accepted)
+            at += 1 + w
+        return out
+
+    def send_taps(self, plan: StepPlan) -> None:
+        """A later stage's leader: its taps to rank 0 (which captured stage 0's itself)."""
+        if plan.aux_layer_ids and self.groups.is_stage_leader and not self.groups.is_first_stage:
+            self.groups.send_object({t: x.cpu() for t, x in self.taps.items()}, 0)

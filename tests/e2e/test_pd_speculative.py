@@ -24,16 +24,22 @@ def _prompts() -> list[list[int]]:
     return [random_prompts(1, [10], seed=60)[0] * 3, *random_prompts(3, [7, 40, 90], seed=61)]
 
 
-@pytest.fixture(scope="module", params=[("kimi_linear", "aux_tap"), ("qwen3", "aux_tap"), ("qwen3", "ngram")])
+PARALLEL = (["--pcp", "2", "--pp", "2"], ["--pp", "2"])  # producer taps from 4 ranks; a pp=2 consumer verifies
+CASES = [("kimi_linear", "aux_tap", None), ("qwen3", "aux_tap", None), ("qwen3", "ngram", None)]
+CASES += [("kimi_linear", "aux_tap", PARALLEL)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{m}{'-parallel' if p else ''}" for a, m, p in CASES])
 def cluster(request, tiny_models, tmp_path_factory):
-    arch, method = request.param
+    arch, method, layouts = request.param
+    prefill_args, decode_args = layouts or ([], [])
     spec = ["--speculative-method", method, "--num-speculative-tokens", "7"]
     if method == "aux_tap":
         drafter = make_tiny_drafter(tmp_path_factory.mktemp("drafter") / arch, tiny_models[arch], (-1, 1, 2))
         spec += ["--draft-model", str(drafter)]
     c = LocalCluster(
         tiny_models[arch],
-        [WorkerSpec("prefill"), WorkerSpec("decode", spec)],
+        [WorkerSpec("prefill", prefill_args), WorkerSpec("decode", decode_args + spec)],
         log_dir=tmp_path_factory.mktemp(f"spec-logs-{arch}-{method}"),
     )
     c.start()

@@ -43,6 +43,10 @@ def emitted(state: RankState) -> list[int]:
     return list(state.runner.emitted)
 
 
+def accepted(state: RankState) -> list[int]:
+    return list(state.runner.accepted)
+
+
 def caches_of(cache: Any, pages: list[int], slot: int, num_tokens: int) -> dict[str, dict[int, torch.Tensor]]:
     """One request's KV rows (token order) and KDA state, from a cache."""
     return {

@@ -59,9 +59,8 @@ def test_role_and_service_guards():
         DecodeConfig(EngineConfig(model="unused", parallel=ParallelConfig(pcp=2)))
     with pytest.raises(ParallelLayoutError, match="pcp=2 x pp=2 with --enable-prefix-caching"):
         PrefillConfig(EngineConfig(model="unused", enable_prefix_caching=True, parallel=ParallelConfig(pcp=2, pp=2)))
-    with pytest.raises(ParallelLayoutError, match="tp=2 with speculative decoding"):
-        spec = SpeculativeConfig("ngram", 3)
-        DecodeConfig(EngineConfig(model="unused", parallel=ParallelConfig(tp=2)), speculative=spec)
+    spec = SpeculativeConfig("ngram", 3)  # decode speculates under TP and PP (test_parallel_speculative.py)
+    DecodeConfig(EngineConfig(model="unused", parallel=ParallelConfig(tp=2, pp=2)), speculative=spec)
     PrefillConfig(EngineConfig(model="unused", parallel=ParallelConfig(pcp=8, pp=8)))
     DecodeConfig(EngineConfig(model="unused", parallel=ParallelConfig(tp=4, pp=2)))
 
