@@ -1,0 +1,275 @@
+"""Issue 5 on one GPU: Kimi-Linear at real per-layer shapes (few layers, random bf16 weights), Tandem vs HF.
+
+    python -m bench.gpu_mid --out /tmp/gpu_mid.json              # on the H200: everything, one process
+    python -m bench.gpu_mid --tiny --out /tmp/gpu_mid_cpu.json    # on the host: tiny shapes, seconds
+
+One process (fla's chunk_kda compiles and autotunes ~90 s on its first call per process):
+
+1. measured ceilings: bf16 matmul peak and device copy bandwidth (bench/mid/roofline.py);
+2. Tandem prefill of 8k / 32k prompts: tokens/s and MFU = model FLOPs / time / matmul peak (FLOP formula:
+   bench/mid/costs.py -- causal attention pairs, active experts only);
+3. Tandem decode step time at batch 1 / 16 / 64 x context 4k / 32k (batches filled by one prefill plus page /
+   state copies, bench/mid/tandem_bench.py), bytes a step must move / measured copy bandwidth = roofline ratio;
+4. per-op breakdown (attention / KDA / MoE / GEMM / other) of one prefill and one decode step, and the host
+   (Python) overhead per decode step at the largest batch: step wall time minus GPU kernel time;
+5. eager vs CUDA-graph decode (step time, token agreement) when the engine supports graphs;
+6. the same prefill / decode workloads through HF transformers' KimiLinearForCausalLM (failures such as OOM
+   are reported in the table, never raised).
+
+Prints markdown tables and writes the JSON to --out. On the host (no CUDA) HF runs its pure-torch path
+(fla blocked: its Triton kernels need a GPU) and the ceilings are CPU numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.mid import costs, hf_bench, profile, roofline, tandem_bench
+from bench.mid.checkpoint import MidSpec, write_mid_model
+from bench.mid.report import render
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+
+def _defaults(a: argparse.Namespace, cuda: bool) -> None:
+    big = cuda and not a.tiny
+    a.prefill = a.prefill or ([8192, 32768] if big else [256, 1024])
+    a.ctx = a.ctx or ([4096, 32768] if big else [128, 512])
+    a.batches = a.batches or ([1, 16, 64] if big else [1, 4, 8])
+    a.kv_bytes = int(a.kv_gib * (1 << 30)) if cuda else 256 << 20
+
+
+def _engine(a: argparse.Namespace, device: str, dtype: str, **kw: Any) -> LLMEngine:
+    longest = max([*a.prefill, *a.ctx])
+    cfg = EngineConfig(
+        model=str(a.model_dir),
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max(a.batches),
+        max_num_batched_tokens=max(a.prefill),
+        max_model_len=longest + a.decode_steps + 64,
+        kv_cache_memory_bytes=a.kv_bytes,
+        **kw,
+    )
+    return LLMEngine(cfg)
+
+
+def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
+    dev, cfg = eng.device, eng.model_config
+    peak = res["ceilings"]["matmul"]["flops_per_s"]
+    bw = res["ceilings"]["copy"]["bytes_per_s"]
+    vocab = cfg.vocab_size
+    warm = min(512, *a.prefill)
+    _, first = tandem_bench.timed(lambda: eng.prompt_logits(tandem_bench.prompt(warm, vocab, 0)), dev)
+    res["notes"].append(f"first Tandem forward ({warm} tokens, kernel compile + fla autotune): {first:.1f} s")
+    logits = eng.prompt_logits(tandem_bench.prompt(warm, vocab, 1))
+    if not torch.isfinite(logits).all():
+        raise RuntimeError("non-finite logits from the mid model: fix the init scales before trusting timings")
+    for length in a.prefill:
+        t, _ = tandem_bench.prefill_seconds(eng, tandem_bench.prompt(length, vocab, length), a.repeat)
+        fl = costs.prefill_flops(cfg, length)
+        res["prefill"].append(
+            {"length": length, "seconds": t, "tokens_per_s": length / t, "flops": fl, "mfu": fl["total"] / t / peak}
+        )
+        print(f"tandem prefill {length}: {length / t:,.0f} tok/s", flush=True)
+    ids = tandem_bench.prompt(a.prefill[0], vocab, 3)
+    with profile.labelled_ops(eng.model):
+        prof = profile.profiled(lambda: eng.prompt_logits(ids), dev)
+    res["breakdown"][f"prefill {a.prefill[0]}"] = profile.breakdown(prof, dev)
+    res["top_kernels"][f"prefill {a.prefill[0]}"] = profile.top_kernels(prof, dev)
+    for ctx in a.ctx:
+        for b in a.batches:
+            rids = tandem_bench.fill_decode_batch(eng, ctx, b)
+            experts = tandem_bench.experts_touched(eng)
+            t, _ = tandem_bench.decode_steps(eng, a.decode_steps)
+            by = costs.decode_bytes(cfg, eng.model, b, ctx, experts, eng.dtype.itemsize)
+            row = {"ctx": ctx, "batch": b, "step_seconds": t, "bytes": by, "experts_touched": experts}
+            row["bytes_per_s"] = by["total"] / t
+            row["roofline"] = row["bytes_per_s"] / bw
+            res["decode"].append(row)
+            print(f"tandem decode ctx {ctx} batch {b}: {t * 1e3:.2f} ms/step", flush=True)
+            if ctx == a.ctx[0] and b == max(a.batches):
+                _overhead(a, eng, res, ctx, b, t)
+            tandem_bench.clear(eng, rids)
+
+
+def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: int, b: int, wall: float) -> None:
+    """Profile a few decode steps of the running batch: op breakdown and host overhead per step."""
+    n = 5
+    with profile.labelled_ops(eng.model):
+        prof = profile.profiled(lambda: [eng.step() for _ in range(n)], eng.device)
+    bd = profile.breakdown(prof, eng.device, per=n)
+    res["breakdown"][f"decode step b={b} ctx={ctx}"] = bd
+    res["top_kernels"][f"decode b={b} ctx={ctx}"] = profile.top_kernels(prof, eng.device)
+    gpu_ms, wall_ms = bd["total"], wall * 1e3
+    res["overhead"] = {
+        "batch": b,
+        "ctx": ctx,
+        "wall_ms": wall_ms,
+        "gpu_ms": gpu_ms,
+        "overhead_ms": wall_ms - gpu_ms,
+        "overhead_fraction": (wall_ms - gpu_ms) / gpu_ms if gpu_ms else None,
+    }
+
+
+def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
+    """Eager vs graph decode on the same engine and the same filled batches (needs engine graph support)."""
+    graphs = getattr(eng.runner, "decode_graphs", None)
+    if graphs is None:
+        res["notes"].append("decode graphs: this engine has none (EngineConfig.cuda_graphs off or unsupported)")
+        return
+    for ctx in a.ctx:
+        for b in a.batches:
+            row: dict[str, Any] = {"ctx": ctx, "batch": b}
+            toks = {}
+            for mode in ("eager", "graph"):
+                graphs.enabled = mode == "graph"
+                rids = tandem_bench.fill_decode_batch(eng, ctx, b)
+                t, toks[mode] = tandem_bench.decode_steps(eng, a.decode_steps)
+                row[f"{mode}_ms"] = t * 1e3
+                tandem_bench.clear(eng, rids)
+            pairs = [
+                (x, y) for s, r in zip(toks["eager"], toks["graph"], strict=True) for x, y in zip(s, r, strict=True)
+            ]
+            row["token_agreement"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+            row["graph_stats"] = graphs.stats()
+            res["graphs"].append(row)
+            print(
+                f"graphs ctx {ctx} batch {b}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms",
+                flush=True,
+            )
+    graphs.enabled = True
+
+
+def run_hf(a: argparse.Namespace, res: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+    """HF workloads into res['hf'] = {'prefill': {length: ...}, 'decode': {'ctx,batch': ...}}."""
+    if device.type != "cuda":
+        hf_bench.block_fla()
+    hf: dict[str, Any] = {"prefill": {}, "decode": {}}
+    res["hf"] = hf
+    loaded = hf_bench.guarded(lambda: {"model": hf_bench.load_hf(str(a.model_dir), dtype, device)}, device)
+    if "error" in loaded:
+        res["notes"].append(f"HF model did not load: {loaded['error']}")
+        return
+    model = loaded["model"]
+    vocab = model.config.vocab_size
+    for length in a.prefill:
+        ids = tandem_bench.prompt(length, vocab, length)
+        hf["prefill"][str(length)] = r = hf_bench.guarded(
+            lambda ids=ids: hf_bench.hf_prefill(model, ids, a.repeat, device), device
+        )
+        print(f"hf prefill {length}: {r}", flush=True)
+    for ctx in a.ctx:
+        for b in a.batches:
+            key = f"{ctx},{b}"
+            if b * ctx > a.hf_max_decode_tokens:
+                hf["decode"][key] = {"error": f"skipped: batch x ctx > --hf-max-decode-tokens {a.hf_max_decode_tokens}"}
+                continue
+            ids = tandem_bench.prompt(ctx, vocab, 7)
+            hf["decode"][key] = r = hf_bench.guarded(
+                lambda ids=ids, b=b: hf_bench.hf_decode(model, ids, b, a.hf_decode_steps, device), device
+            )
+            print(f"hf decode ctx {ctx} batch {b}: {r}", flush=True)
+
+
+def merge(files: list[Path]) -> dict[str, Any]:
+    """One result from a Tandem-only and an HF-only run (same GPU, two processes)."""
+    out: dict[str, Any] = {}
+    for f in files:
+        r = json.loads(f.read_text())
+        for k, v in r.items():
+            if isinstance(v, list) and out.get(k):
+                out[k] = out[k] + v
+            elif isinstance(v, dict) and out.get(k):
+                out[k] = {**out[k], **v}
+            elif v or k not in out:
+                out[k] = v
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_mid", description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, default=None, help="checkpoint dir (written if absent)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (host verification)")
+    p.add_argument("--prefill", type=int, nargs="*", default=None)
+    p.add_argument("--ctx", type=int, nargs="*", default=None)
+    p.add_argument("--batches", type=int, nargs="*", default=None)
+    p.add_argument("--decode-steps", type=int, default=20)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--kv-gib", type=float, default=16.0, help="KV + KDA state budget on the GPU")
+    p.add_argument("--parts", nargs="*", default=["tandem", "hf"], choices=("tandem", "hf"))
+    p.add_argument("--merge", type=Path, nargs="*", default=None, help="only render these result JSONs as one")
+    p.add_argument("--hf-decode-steps", type=int, default=5)
+    p.add_argument("--hf-max-decode-tokens", type=int, default=1 << 21)
+    p.add_argument("--no-graphs", action="store_true", help="skip the eager-vs-graph decode comparison")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.merge:
+        print(render(merge(a.merge)))
+        return 0
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    _defaults(a, cuda)
+    a.model_dir = a.model_dir or Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
+    dtype_name = "bfloat16" if cuda else "float32"
+    t0 = time.perf_counter()
+    write_mid_model(a.model_dir, MidSpec("kimi_linear", a.layers, a.tiny))
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "model": f"Kimi-Linear {'tiny' if a.tiny else 'mid'} shape, {a.layers} layers, {dtype_name}",
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "notes": [f"checkpoint ready in {time.perf_counter() - t0:.0f} s ({a.model_dir})"],
+        "prefill": [],
+        "decode": [],
+        "breakdown": {},
+        "top_kernels": {},
+        "graphs": [],
+        "hf": {},
+        "ceilings": {"matmul": roofline.matmul_peak_flops(device), "copy": roofline.copy_bandwidth(device)},
+    }
+    if not cuda:
+        res["notes"].append("host run: ceilings, MFU and roofline ratios are CPU numbers, only the plumbing is checked")
+    if "tandem" in a.parts:
+        graphs = {"cuda_graphs": not a.no_graphs} if _has_graph_flag() else {}
+        eng = _engine(a, device.type, dtype_name, **graphs)
+        run_tandem(a, eng, res)
+        if not a.no_graphs:
+            run_graphs(a, eng, res)
+        del eng
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        _save(a.out, res)
+    if "hf" in a.parts:
+        run_hf(a, res, device, getattr(torch, dtype_name))
+        _save(a.out, res)
+    text = render(res)
+    print(text)
+    for name, table in res["top_kernels"].items():
+        print(f"\n### top ops: {name}\n{table}")
+    _save(a.out, res)
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+def _save(path: Path | None, res: dict[str, Any]) -> None:
+    """Written after each part too, so a run cut by the time limit still leaves its numbers."""
+    if path is not None:
+        path.write_text(json.dumps(res, indent=1, default=str))
+
+
+def _has_graph_flag() -> bool:
+    return "cuda_graphs" in EngineConfig.__dataclass_fields__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

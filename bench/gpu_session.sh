@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 5 / 6 GPU benchmarks, one step per device command (each well under 10 minutes).
+#
+#   bash bench/gpu_session.sh mid-tandem     # 1 x H200: ceilings, Tandem prefill/decode, breakdown, overhead, graphs
+#   bash bench/gpu_session.sh mid-hf         # 1 x H200: the same workloads through HF KimiLinearForCausalLM
+#   bash bench/gpu_session.sh par-kimi-a     # 2 x H200: Kimi mid, one GPU (all workloads) + pcp=2
+#   bash bench/gpu_session.sh par-kimi-b     # 2 x H200: Kimi mid, pp=2 + tp=2
+#   bash bench/gpu_session.sh par-qwen       # 2 x H200: Qwen3-8B-layer shape, all layouts
+#
+# Joined tables afterwards (any machine, no GPU):
+#   python -m bench.gpu_mid --merge mid_tandem.json mid_hf.json
+#   python -m bench.parallel_gpu --report par_kimi_a.json par_kimi_b.json par_qwen.json
+#
+# Assumes fla-core is installed in /tmp/site (as for bench.gpu_kernels_check). Checkpoints go to /tmp and are
+# reused while the machine stays warm (the first command of a machine writes them: ~1-2 min for Kimi mid).
+set -euo pipefail
+export PYTHONPATH="/tmp/site:${PWD}${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across processes (Triton >= 3.2)
+OUT="${OUT:-/tmp/tandem-bench-out}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen}"
+shift
+case "$step" in
+  mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
+  mid-hf) python -m bench.gpu_mid --parts hf --out "$OUT/mid_hf.json" "$@" ;;
+  par-kimi-a) python -m bench.parallel_gpu --arch kimi_linear --layouts single pcp2 --out "$OUT/par_kimi_a.json" "$@" ;;
+  par-kimi-b) python -m bench.parallel_gpu --arch kimi_linear --layouts pp2 tp2 --out "$OUT/par_kimi_b.json" "$@" ;;
+  par-qwen) python -m bench.parallel_gpu --arch qwen3 --out "$OUT/par_qwen.json" "$@" ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac

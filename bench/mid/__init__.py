@@ -1,0 +1,1 @@
+"""Issue-5/6 GPU benchmarks on mid-size checkpoints (real per-layer shapes, few layers, random weights)."""

@@ -1,0 +1,109 @@
+"""Where a step's time goes: torch.profiler over labelled ranges, grouped into attention / KDA / MoE / GEMM / other.
+
+The backends' methods (attention: write_kv, gqa, mla; KDA: short_conv, recurrence; MoE: route, experts) and
+every nn.Linear outside the MoE block (projections, dense MLP, LM head) run inside a ``tandem.<group>``
+record_function range while profiling; a range's time is the GPU time of the kernels launched inside it
+(torch's inclusive ``device_time_total``). "other" is the remainder of all kernel time: norms, the KDA gate,
+embedding, residual adds, sampling. The shared expert's linears count as MoE. On the host (no GPU) the same
+grouping uses CPU time, which only checks the plumbing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+GROUPS = ("attention", "KDA", "MoE", "GEMM")
+PREFIX = "tandem."
+_METHODS = {"attention": ("write_kv", "gqa", "mla"), "KDA": ("short_conv", "recurrence"), "MoE": ("route", "experts")}
+
+
+def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    def labelled(*a: Any, **k: Any) -> Any:
+        with record_function(label):
+            return fn(*a, **k)
+
+    return labelled
+
+
+@contextmanager
+def labelled_ops(model: nn.Module) -> Iterator[None]:
+    be = model.backends
+    patched = []
+    for group, obj in (("attention", be.attention), ("KDA", be.kda), ("MoE", be.moe)):
+        for name in _METHODS[group]:
+            setattr(obj, name, _wrap(getattr(obj, name), PREFIX + group))
+            patched.append((obj, name))
+    handles = []
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and "block_sparse_moe" not in mod_name:
+            handles.append(mod.register_forward_pre_hook(_enter_gemm))
+            handles.append(mod.register_forward_hook(_exit_gemm))
+    try:
+        yield
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)  # the instance attribute shadowed the class method
+        for h in handles:
+            h.remove()
+
+
+def _enter_gemm(mod: nn.Module, args: Any) -> None:
+    mod._tandem_rf = record_function(PREFIX + "GEMM")
+    mod._tandem_rf.__enter__()
+
+
+def _exit_gemm(mod: nn.Module, args: Any, out: Any) -> None:
+    mod._tandem_rf.__exit__(None, None, None)
+
+
+def profiled(fn: Callable[[], Any], device: torch.device) -> profile:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return prof
+
+
+def _get(e: Any, *names: str) -> float:
+    for n in names:
+        if hasattr(e, n):
+            return float(getattr(e, n))
+    return 0.0
+
+
+def breakdown(prof: profile, device: torch.device, per: int = 1) -> dict[str, float]:
+    """Milliseconds per group (divided by `per`, e.g. the number of steps profiled), 'other' and 'total'."""
+    cuda = device.type == "cuda"
+    incl = ("device_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)
+    self_ = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
+    out = dict.fromkeys(GROUPS, 0.0)
+    total = 0.0
+    for e in prof.events():
+        if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU:
+            continue  # kernels and GPU-side annotations: counted through their CPU op
+        total += _get(e, *self_)
+        if e.name.startswith(PREFIX) and e.name[len(PREFIX) :] in out:
+            out[e.name[len(PREFIX) :]] += _get(e, *incl)
+    res = {k: v / 1e3 / per for k, v in out.items()}
+    res["total"] = total / 1e3 / per
+    res["other"] = res["total"] - sum(res[g] for g in GROUPS)
+    return res
+
+
+def top_kernels(prof: profile, device: torch.device, rows: int = 15) -> str:
+    """torch's table of the most expensive ops / kernels (raw data behind the grouping)."""
+    keys = ("self_cuda_time_total", "self_device_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
+    for key in keys:
+        try:
+            return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        except Exception:
+            continue
+    return ""

@@ -1,0 +1,125 @@
+"""Markdown tables of the mid-shape benchmark's JSON result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _f(x: Any, fmt: str = ".2f", scale: float = 1.0) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return format(x * scale, fmt)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _hf_cell(hf: dict[str, Any] | None, key: str, fmt: str, scale: float = 1.0) -> str:
+    if hf is None:
+        return "not run"
+    if "error" in hf:
+        return hf["error"][:80]
+    return _f(hf.get(key), fmt, scale)
+
+
+def render(res: dict[str, Any]) -> str:
+    parts = [f"## Mid-shape benchmark ({res['device']}, {res['model']})"]
+    c = res["ceilings"]
+    parts.append(
+        _table(
+            ["measured ceiling", "value"],
+            [
+                [
+                    f"matmul {c['matmul']['dtype']} n={c['matmul']['n']}",
+                    f"{c['matmul']['flops_per_s'] / 1e12:.1f} TFLOP/s",
+                ],
+                [f"copy {c['copy']['bytes'] >> 20} MiB", f"{c['copy']['bytes_per_s'] / 1e12:.2f} TB/s (read + write)"],
+            ],
+        )
+    )
+    hf_all = res.get("hf") or {}
+    rows = []
+    for p in res["prefill"]:
+        hf = (hf_all.get("prefill") or {}).get(str(p["length"]))
+        ratio = "-" if not hf or "error" in hf else f"{p['tokens_per_s'] / hf['tokens_per_s']:.2f}x"
+        rows.append(
+            [
+                str(p["length"]),
+                _f(p["tokens_per_s"], ",.0f"),
+                _f(p["seconds"], ".1f", 1e3),
+                _f(p["flops"]["total"] / p["seconds"], ".1f", 1e-12),
+                _f(p["mfu"], ".1%"),
+                _hf_cell(hf, "tokens_per_s", ",.0f"),
+                ratio,
+            ]
+        )
+    parts.append(_table(["prompt", "Tandem tok/s", "ms", "model TFLOP/s", "MFU", "HF tok/s", "Tandem / HF"], rows))
+    rows = []
+    for d in res["decode"]:
+        hf = (hf_all.get("decode") or {}).get(f"{d['ctx']},{d['batch']}")
+        ratio = "-" if not hf or "error" in hf else f"{hf['step_seconds'] / d['step_seconds']:.2f}x"
+        rows.append(
+            [
+                str(d["ctx"]),
+                str(d["batch"]),
+                _f(d["step_seconds"], ".2f", 1e3),
+                _f(d["batch"] / d["step_seconds"], ",.0f"),
+                _f(d["bytes"]["total"], ".2f", 1e-9),
+                _f(d["bytes_per_s"], ".2f", 1e-12),
+                _f(d["roofline"], ".1%"),
+                _hf_cell(hf, "step_seconds", ".2f", 1e3),
+                ratio,
+            ]
+        )
+    parts.append(
+        _table(
+            ["ctx", "batch", "step ms", "tok/s", "GB/step", "TB/s", "of copy BW", "HF step ms", "Tandem speed-up"],
+            rows,
+        )
+    )
+    rows = []
+    for name, b in res.get("breakdown", {}).items():
+        tot = b["total"] or 1.0
+        cells = [f"{b[g]:.2f} ({b[g] / tot:.0%})" for g in ("attention", "KDA", "MoE", "GEMM", "other")]
+        rows.append([name, *cells, f"{b['total']:.2f}"])
+    if rows:
+        parts.append(_table(["ms (share)", "attention", "KDA", "MoE", "GEMM", "other", "total"], rows))
+    o = res.get("overhead")
+    if o:
+        parts.append(
+            _table(
+                ["decode batch", "ctx", "step wall ms", "GPU kernel ms", "host overhead ms", "overhead / GPU time"],
+                [
+                    [
+                        str(o["batch"]),
+                        str(o["ctx"]),
+                        _f(o["wall_ms"]),
+                        _f(o["gpu_ms"]),
+                        _f(o["overhead_ms"]),
+                        _f(o["overhead_fraction"], ".1%"),
+                    ]
+                ],
+            )
+        )
+    g = res.get("graphs")
+    if g:
+        rows = [
+            [
+                str(r["ctx"]),
+                str(r["batch"]),
+                _f(r["eager_ms"]),
+                _f(r["graph_ms"]),
+                _f(r["eager_ms"] / r["graph_ms"] if r.get("graph_ms") else None),
+                _f(r["token_agreement"], ".1%"),
+            ]
+            for r in g
+        ]
+        parts.append(_table(["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal"], rows))
+    for note in res.get("notes", []):
+        parts.append(f"- {note}")
+    return "\n\n".join(parts)

@@ -1,0 +1,116 @@
+"""Tandem workloads of the mid-shape benchmark: prefill of one prompt, and decode steps of a full batch.
+
+Decode batches are filled without prefilling every request: one request is prefilled to the context
+length, then its pages and KDA state are copied into B-1 reservations taken through the P/D consumer API
+(``reserve_import`` -> copy -> ``insert_prefilled``), so all B requests hold the same real context. A step's
+cost does not depend on the values; the copy keeps routing and attention inputs realistic.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompt(length: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (length,), generator=g).tolist()
+
+
+def prefill_seconds(eng: LLMEngine, ids: list[int], repeat: int) -> tuple[float, list[float]]:
+    """Median wall seconds of a one-token generate of `ids` (the first call warms up)."""
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for i in range(repeat + 1):
+        sync(eng.device)
+        t0 = time.perf_counter()
+        eng.generate([ids], one)
+        sync(eng.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def fill_decode_batch(eng: LLMEngine, ctx: int, batch: int, seed: int = 7) -> list[str]:
+    """`batch` running requests, each at `ctx` cached tokens plus one sampled token (module docstring)."""
+    ids = prompt(ctx, eng.model_config.vocab_size, seed)
+    params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+    src_id = eng.add_request(ids, params)
+    while True:
+        eng.step()
+        src = eng._requests[src_id]
+        if src.output_token_ids:
+            break
+    rids = [src_id]
+    n_pages = -(-ctx // eng.config.page_size)
+    src_pages = torch.tensor(src.page_ids[:n_pages], device=eng.device)
+    for j in range(batch - 1):
+        res = eng.reserve_import(f"{src_id}-copy{j}", ctx)
+        if res is None:
+            raise RuntimeError(f"no room for {batch} x {ctx} tokens: raise --kv-gib or lower the batch")
+        dst = torch.tensor(res.page_ids, device=eng.device)
+        for kv in eng.cache.kv.values():
+            kv[dst] = kv[src_pages]
+        if res.slot_ids:
+            eng.cache.copy_slot(src.slot_ids[0], res.slot_ids[0])
+        eng.insert_prefilled(res, ids, params, src.output_token_ids[0], None)
+        rids.append(res.request_id)
+    return rids
+
+
+def clear(eng: LLMEngine, rids: list[str]) -> None:
+    for r in rids:
+        eng.abort_request(r)
+
+
+def decode_steps(eng: LLMEngine, steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
+    """Mean wall seconds of a decode-only step (sampling included), and the tokens each step produced."""
+    for _ in range(warmup):
+        eng.step()
+    sync(eng.device)
+    tokens = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        outs = eng.step()
+        tokens.append([o.output_token_ids[-1] for o in outs])
+    sync(eng.device)
+    return (time.perf_counter() - t0) / steps, tokens
+
+
+def experts_touched(eng: LLMEngine) -> list[int]:
+    """Distinct experts each MoE layer routes to in one decode step (runs that step)."""
+    moe = eng.model.backends.moe
+    seen: list[int] = []
+    route = moe.route
+
+    def counting(*a: Any, **k: Any) -> Any:
+        weights, ids = route(*a, **k)
+        seen.append(int(ids.unique().numel()))
+        return weights, ids
+
+    moe.route = counting
+    try:
+        eng.step()
+    finally:
+        del moe.route  # back to the class method
+    return seen
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
