@@ -57,12 +57,20 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     a = ap.parse_args()
     model = a.model or str(make_tiny_model("/tmp/tandem-bench-qwen3", arch="qwen3"))
-    base = EngineConfig(model=model, device=a.device, dtype="float32" if a.device == "cpu" else "bfloat16")
+    # an explicit cache size: the engines run one after another in this process, and a budget taken from
+    # free device memory would count the previous engine's (not yet collected) cache as someone else's
+    base = EngineConfig(
+        model=model,
+        device=a.device,
+        dtype="float32" if a.device == "cpu" else "bfloat16",
+        kv_cache_memory_bytes=1 << 30,
+    )
     rows = []
     for name, spec in (("off", SpeculativeConfig()), (f"ngram k={a.k}", SpeculativeConfig("ngram", a.k))):
         engine = LLMEngine(EngineConfig(**{**base.__dict__, "speculative": spec}))
         rate, acc = _decode_rate(engine, _repetitive_prompts(engine, a.batch), a.output_len)
         rows.append((name, rate, acc))
+        del engine
     print(f"model={model} device={a.device} torch={torch.__version__} batch={a.batch} output_len={a.output_len}")
     print(f"{'speculation':>14} {'decode tok/s':>13} {'acceptance':>11} {'speed-up':>9}")
     for name, rate, acc in rows:
