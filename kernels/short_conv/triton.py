@@ -1,9 +1,14 @@
 """Triton short convolution with per-sequence state slots, for prefill chunks, decode and spec verify.
 
 Contracts: kernels/short_conv/naive.py (plain) and kernels/short_conv/naive_spec.py (slot-indexed, with
-``num_accepted`` and the spec write). One program owns one (sequence, channel block): it reads the window,
-walks the sequence's tokens in tiles of BLOCK_T (conv + SiLU, fp32 accumulation), then writes the new state
-after a barrier, so reading and updating one slot in place is race free.
+``num_accepted`` and the spec write). One program owns one (sequence, channel block, token chunk): it reads
+the window, walks its chunk's tokens in tiles of BLOCK_T (conv + SiLU, fp32 accumulation).
+
+Short sequences (decode, verify, small chunks) run as one chunk per sequence, and that program also writes
+the new state after a barrier, so reading and updating one slot in place is race free in one launch. A long
+prefill is cut into chunks of T_CHUNK tokens that run in parallel (one chunk per program would leave most of
+the GPU idle: a 32k-token prompt is one sequence); then a second launch of the same kernel writes the states
+(STATE_ONLY), ordered after every chunk's reads of the old window by the stream.
 """
 
 from __future__ import annotations
@@ -34,15 +39,20 @@ def _short_conv_kernel(
     stride_st_n,
     stride_st_c,
     stride_w_c,
+    T_CHUNK,
+    N_CHUNKS,
     KW: tl.constexpr,
     SPEC: tl.constexpr,
     HAS_ACC: tl.constexpr,
+    CONV: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     i_c = tl.program_id(1)
+    i_t = tl.program_id(2)
     slot = tl.load(SLOTS + i_n).to(tl.int64)
     if slot < 0:
         return
@@ -60,23 +70,28 @@ def _short_conv_kernel(
     p_x = X + bos.to(tl.int64) * stride_x_t + o_c[None, :]
     p_y = Y + bos.to(tl.int64) * stride_y_t + o_c[None, :]
 
-    for t0 in range(0, seq_len, BLOCK_T):
-        o_t = t0 + tl.arange(0, BLOCK_T)
-        m_t = o_t < seq_len
-        b_acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(KW):
-            # input feeding tap j of token t: x[t - (KW-1) + j], or window column off + j + t for t - (KW-1) + j < 0
-            o_src = o_t - (KW - 1) + j
-            b_w = tl.load(W + o_c * stride_w_c + j, mask=m_c, other=0.0).to(tl.float32)
-            m_x = (m_t & (o_src >= 0))[:, None] & m_c[None, :]
-            b_x = tl.load(p_x + o_src[:, None].to(tl.int64) * stride_x_t, mask=m_x, other=0.0).to(tl.float32)
-            m_s = (m_t & (o_src < 0))[:, None] & m_ci[None, :]
-            b_s = tl.load(p_st[None, :] + (off + KW - 1 + o_src)[:, None], mask=m_s, other=0.0).to(tl.float32)
-            b_acc += (b_x + b_s) * b_w[None, :]
-        b_y = b_acc * tl.sigmoid(b_acc)
-        m_y = m_t[:, None] & m_c[None, :]
-        tl.store(p_y + o_t[:, None].to(tl.int64) * stride_y_t, b_y.to(Y.dtype.element_ty), mask=m_y)
+    if CONV:
+        t_end = tl.minimum(seq_len, (i_t + 1) * T_CHUNK)
+        t_end = tl.where(i_t == N_CHUNKS - 1, seq_len, t_end)
+        for t0 in range(i_t * T_CHUNK, t_end, BLOCK_T):
+            o_t = t0 + tl.arange(0, BLOCK_T)
+            m_t = o_t < t_end
+            b_acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                # input feeding tap j of token t: x[t - (KW-1) + j], or window column off + j + t for t - (KW-1) + j < 0
+                o_src = o_t - (KW - 1) + j
+                b_w = tl.load(W + o_c * stride_w_c + j, mask=m_c, other=0.0).to(tl.float32)
+                m_x = (m_t & (o_src >= 0))[:, None] & m_c[None, :]
+                b_x = tl.load(p_x + o_src[:, None].to(tl.int64) * stride_x_t, mask=m_x, other=0.0).to(tl.float32)
+                m_s = (m_t & (o_src < 0))[:, None] & m_ci[None, :]
+                b_s = tl.load(p_st[None, :] + (off + KW - 1 + o_src)[:, None], mask=m_s, other=0.0).to(tl.float32)
+                b_acc += (b_x + b_s) * b_w[None, :]
+            b_y = b_acc * tl.sigmoid(b_acc)
+            m_y = m_t[:, None] & m_c[None, :]
+            tl.store(p_y + o_t[:, None].to(tl.int64) * stride_y_t, b_y.to(Y.dtype.element_ty), mask=m_y)
 
+    if not WRITE_STATE:
+        return
     # the new state, column by column: from the old state (below the split) or from x
     o_s = tl.arange(0, BLOCK_S)
     if SPEC:
@@ -96,6 +111,10 @@ def _short_conv_kernel(
     b_new = tl.where(m_old[None, :], b_old, b_new)
     tl.debug_barrier()  # all reads of this slot (above) happen before any write
     tl.store(p_st[:, None] + o_s[None, :], b_new, mask=m_w)
+
+
+T_CHUNK = 256
+"""Tokens per program of a long sequence (one chunk per program, in parallel; see the module docstring)."""
 
 
 def _as_int32(x, n: int, device: torch.device, name: str) -> torch.Tensor:
@@ -181,31 +200,18 @@ def short_conv_update(
         return out
     block_t = min(next_pow2(max_len), 16)
     block_c = max(16, min(next_pow2(c), 4096 // block_t, 256))
-    grid = (n, triton.cdiv(c, block_c))
-    _short_conv_kernel[grid](
-        x,
-        out,
-        conv_state,
-        weight,
-        slots_t,
-        qsl_t,
-        acc_t,
-        init_t,
-        c,
-        s,
-        x.stride(0),
-        out.stride(0),
-        conv_state.stride(0),
-        conv_state.stride(1),
-        weight.stride(0),
-        KW=kw,
-        SPEC=spec,
-        HAS_ACC=num_accepted is not None,
-        BLOCK_C=block_c,
-        BLOCK_T=block_t,
-        BLOCK_S=next_pow2(max(s, kw - 1)),
-        num_warps=4,
-    )
+    # the last chunk runs to its sequence's end, so a max_q_len hint that is too small costs speed, not tokens
+    longest = max_len if not isinstance(query_start_loc, torch.Tensor) else (max_q_len or 0)
+    n_chunks = max(1, triton.cdiv(longest, T_CHUNK))
+    args = (x, out, conv_state, weight, slots_t, qsl_t, acc_t, init_t, c, s)
+    args += (x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0))
+    meta = dict(KW=kw, SPEC=spec, HAS_ACC=num_accepted is not None, BLOCK_C=block_c, BLOCK_T=block_t)
+    meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=4)
+    one = n_chunks == 1
+    grid = (n, triton.cdiv(c, block_c), n_chunks)
+    _short_conv_kernel[grid](*args, T_CHUNK, n_chunks, CONV=True, WRITE_STATE=one, **meta)
+    if not one:  # every chunk has read the old window: now the states
+        _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, T_CHUNK, 1, CONV=False, WRITE_STATE=True, **meta)
     return out
 
 

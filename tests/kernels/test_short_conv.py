@@ -44,6 +44,27 @@ def test_plain_matches_naive(c, w, lens, init, dtype):
     assert torch.equal(state, ref_state)  # the window is a copy of inputs: bit-exact
 
 
+@pytest.mark.parametrize("qsl_kind", ["host", "device+hint", "device+small-hint", "device"])
+def test_long_sequences_run_in_token_chunks(qsl_kind):
+    """Sequences longer than T_CHUNK run as parallel chunks plus a state-writing launch; the chunk
+    boundaries (256, 512) fall inside sequences, and a max_q_len hint that is too small loses no token."""
+    lens, init, slots = [600, 3, 300], [True, False, True], [2, 0, 1]
+    qsl, x, weight, state = _inputs(lens, 24, 4, 3, 3, torch.float32, seed=3)
+    ref_state, ref = state.clone(), torch.empty_like(x)
+    for i, s in enumerate(slots):
+        y, win = naive_short_conv(x[qsl[i] : qsl[i + 1]], weight, ref_state[s] if init[i] else None)
+        ref[qsl[i] : qsl[i + 1]], ref_state[s] = y, win
+    if qsl_kind == "host":
+        out = short_conv_update(x, weight, state, slots, qsl, init)
+    else:
+        hint = {"device+hint": 600, "device+small-hint": 300, "device": None}[qsl_kind]
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
+        slots_t = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        out = short_conv_update(x, weight, state, slots_t, qsl_t, init, max_q_len=hint)
+    assert_close("y", ref, out, tol(torch.float32))
+    assert torch.equal(state, ref_state)
+
+
 def test_padding_slot_is_skipped():
     qsl, x, weight, state = _inputs([2, 3], 32, 4, 4, 3, torch.float32)
     before = state.clone()
