@@ -37,6 +37,7 @@ from bench.mid.checkpoint import MidSpec, write_mid_model
 from bench.mid.report import render
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 
 def _defaults(a: argparse.Namespace, cuda: bool) -> None:
@@ -63,6 +64,10 @@ def _engine(a: argparse.Namespace, device: str, dtype: str, **kw: Any) -> LLMEng
 
 
 def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
+    """Eager-path numbers (decode graphs off here; run_graphs compares them)."""
+    graphs = getattr(eng.runner, "decode_graphs", None)
+    if graphs is not None:
+        graphs.enabled = False
     dev, cfg = eng.device, eng.model_config
     peak = res["ceilings"]["matmul"]["flops_per_s"]
     bw = res["ceilings"]["copy"]["bytes_per_s"]
@@ -81,8 +86,9 @@ def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
         )
         print(f"tandem prefill {length}: {length / t:,.0f} tok/s", flush=True)
     ids = tandem_bench.prompt(a.prefill[0], vocab, 3)
-    with profile.labelled_ops(eng.model):
-        prof = profile.profiled(lambda: eng.prompt_logits(ids), dev)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with profile.labelled_ops(eng.model):  # a one-token generate: logits of the last row only, as served
+        prof = profile.profiled(lambda: eng.generate([ids], one), dev)
     res["breakdown"][f"prefill {a.prefill[0]}"] = profile.breakdown(prof, dev)
     res["top_kernels"][f"prefill {a.prefill[0]}"] = profile.top_kernels(prof, dev)
     for ctx in a.ctx:
@@ -126,6 +132,8 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
     if graphs is None:
         res["notes"].append("decode graphs: this engine has none (EngineConfig.cuda_graphs off or unsupported)")
         return
+    if eng.device.type != "cuda":
+        res["notes"].append("host run: the 'graph' columns are the padded static-buffer path run eagerly")
     for ctx in a.ctx:
         for b in a.batches:
             row: dict[str, Any] = {"ctx": ctx, "batch": b}
@@ -142,6 +150,11 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
             row["token_agreement"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
             row["graph_stats"] = graphs.stats()
             res["graphs"].append(row)
+            o = res.get("overhead")
+            if o and (o["ctx"], o["batch"]) == (ctx, b):  # same kernels: graph wall - eager kernel time
+                over = row["graph_ms"] - o["gpu_ms"]
+                res["overhead_graph"] = {**o, "wall_ms": row["graph_ms"], "overhead_ms": over}
+                res["overhead_graph"]["overhead_fraction"] = over / o["gpu_ms"] if o["gpu_ms"] else None
             print(
                 f"graphs ctx {ctx} batch {b}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms",
                 flush=True,

@@ -83,6 +83,13 @@ class EngineConfig:
     extra threads spin against the other processes of a local cluster (measured ~70x slower)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """PCP / PP / TP layout; one process per rank, started by the engine (docs/PARALLEL.md)."""
+    cuda_graphs: bool = False
+    """Run pure-decode steps on static padded buffers, captured as CUDA graphs per batch size (vLLM's
+    default; off here until validated on the GPU). On the host the same padded path runs eagerly. One page
+    and one KDA slot are reserved as the padding rows' scratch. Single-process engines only."""
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    """Padded batch sizes with a graph (default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); larger
+    decode batches run eagerly."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -96,5 +103,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be > 0")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be > 0")
+        if self.cuda_graph_batch_sizes is not None and (
+            not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1
+        ):
+            raise ValueError(f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes} must be positive sizes")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")

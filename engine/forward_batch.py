@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.decode_graph.meta import DecodeMeta
 
 
 @dataclass
@@ -29,6 +33,9 @@ class ForwardBatch:
     completes_prompt: list[bool] = field(default_factory=list)  # [N] this chunk reaches the last known token
     checkpoints: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
     """[N] (rung position, slot): after that many tokens, copy the KDA state (recurrent + conv) to slot."""
+    decode_meta: DecodeMeta | None = None
+    """Set on a padded static decode step (engine/decode_graph): the GPU backends read its device tensors
+    and never the host lists above, which a captured CUDA graph would freeze."""
 
     @property
     def num_seqs(self) -> int:

@@ -18,6 +18,8 @@ from engine.cache.budget import cache_budget_bytes, plan_cache
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
+from engine.decode_graph import DecodeGraphs, default_batch_sizes
+from engine.decode_graph.buffers import PadTargets
 from engine.fingerprint import model_digest
 from engine.forward_batch import ForwardBatch
 from engine.loader import load_model, resolve_dtype
@@ -146,7 +148,27 @@ class LLMEngine:
         return CacheTensors(self.model_config, layout, self.dtype, self.device)
 
     def _make_runner(self) -> ModelRunner:
-        return ModelRunner(self.model, self.cache, self.device, self.config.page_size)
+        runner = ModelRunner(self.model, self.cache, self.device, self.config.page_size)
+        if self.config.cuda_graphs:
+            runner.decode_graphs = self._make_decode_graphs()
+        return runner
+
+    def _make_decode_graphs(self) -> DecodeGraphs:
+        """Static padded decode steps; one page and one KDA slot are taken for good as padding scratch."""
+        pad = PadTargets(
+            page=self.pages.allocate(1)[0], slot=self.slots.allocate(1)[0] if self.slots is not None else 0
+        )
+        sizes = self.config.cuda_graph_batch_sizes or default_batch_sizes(self.config.max_num_seqs)
+        return DecodeGraphs(
+            self.model,
+            self.cache,
+            self.device,
+            self.config.page_size,
+            self.max_model_len,
+            pad,
+            list(sizes),
+            capture=self.device.type == "cuda",
+        )
 
     def _max_model_len(self, capacity_tokens: int) -> int:
         model_max = self.model_config.max_position_embeddings

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.cache.tensors import CacheTensors
+from engine.decode_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM
 from engine.scheduler import ScheduledChunk
@@ -16,6 +17,8 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self.page_size = page_size
+        self.decode_graphs: DecodeGraphs | None = None
+        """Pure-decode steps through static padded buffers / CUDA graphs (EngineConfig.cuda_graphs)."""
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         ids: list[int] = []
@@ -69,6 +72,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [S, V] fp32 for the chunks that sample, in chunk order."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
+            return self.decode_graphs.run(chunks)
         batch = self.prepare(chunks)
         hidden = self.model(batch, self.cache)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -89,23 +89,22 @@ def render(res: dict[str, Any]) -> str:
         rows.append([name, *cells, f"{b['total']:.2f}"])
     if rows:
         parts.append(_table(["ms (share)", "attention", "KDA", "MoE", "GEMM", "other", "total"], rows))
-    o = res.get("overhead")
-    if o:
-        parts.append(
-            _table(
-                ["decode batch", "ctx", "step wall ms", "GPU kernel ms", "host overhead ms", "overhead / GPU time"],
-                [
-                    [
-                        str(o["batch"]),
-                        str(o["ctx"]),
-                        _f(o["wall_ms"]),
-                        _f(o["gpu_ms"]),
-                        _f(o["overhead_ms"]),
-                        _f(o["overhead_fraction"], ".1%"),
-                    ]
-                ],
-            )
-        )
+    rows = [
+        [
+            mode,
+            str(o["batch"]),
+            str(o["ctx"]),
+            _f(o["wall_ms"]),
+            _f(o["gpu_ms"]),
+            _f(o["overhead_ms"]),
+            _f(o["overhead_fraction"], ".1%"),
+        ]
+        for mode, o in (("eager", res.get("overhead")), ("CUDA graph", res.get("overhead_graph")))
+        if o
+    ]
+    if rows:
+        head = ["decode", "batch", "ctx", "step wall ms", "GPU kernel ms", "host overhead ms", "overhead / GPU"]
+        parts.append(_table(head, rows))
     g = res.get("graphs")
     if g:
         rows = [

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.backends.base import AttentionBackend, KDABackend, MLADims, MoEBackend
+from engine.backends.gpu_static import KDADecodeStep, static_attn_meta, static_mla_parts
 from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import chunk_kda_varlen, fused_recurrent_kda_slots
 from kernels.moe.grouped import grouped_moe
@@ -73,6 +74,9 @@ class GPUAttentionBackend(AttentionBackend):
         return self._step.get(batch, "tables", lambda: pack_block_tables(batch.block_tables, device))
 
     def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
+        if batch.decode_meta is not None:  # static decode: every row has a target (padding: the scratch page)
+            cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
+            return
         # rows with slot -1 reuse cached KV: find them once per step (one sync), then one index_put per layer
         keep = self._step.get(batch, "keep", lambda: _kept_rows(batch.slot_mapping))
         if keep is None:
@@ -82,6 +86,9 @@ class GPUAttentionBackend(AttentionBackend):
 
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         group, d = q.shape[1] // cache.shape[3], q.shape[-1]
+        if batch.decode_meta is not None:
+            meta = static_attn_meta(batch.decode_meta, group, d)
+            return attention_fwd(q.contiguous(), cache[:, :, 0], cache[:, :, 1], meta, scale)
         meta = self._step.get(
             batch,
             ("gqa", group, d),
@@ -101,7 +108,23 @@ class GPUAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         h, page_size = q.shape[1], cache.shape[1]
-        parts = self._step.get(
+        if batch.decode_meta is not None:
+            parts = static_mla_parts(batch.decode_meta, h, dims.kv_lora_rank)
+        else:
+            parts = self._plan_mla(batch, q, h, page_size, dims)
+        return run_mla(
+            q.contiguous(),
+            cache,
+            parts,
+            kv_b_weight,
+            dims.kv_lora_rank,
+            dims.qk_nope_head_dim,
+            dims.v_head_dim,
+            scale,
+        )
+
+    def _plan_mla(self, batch: ForwardBatch, q: torch.Tensor, h: int, page_size: int, dims: MLADims) -> list:
+        return self._step.get(
             batch,
             ("mla", h, page_size, dims.kv_lora_rank),
             lambda: plan_mla(
@@ -114,16 +137,6 @@ class GPUAttentionBackend(AttentionBackend):
                 q.device,
                 self.mla_expand_min_q_len,
             ),
-        )
-        return run_mla(
-            q.contiguous(),
-            cache,
-            parts,
-            kv_b_weight,
-            dims.kv_lora_rank,
-            dims.qk_nope_head_dim,
-            dims.v_head_dim,
-            scale,
         )
 
 
@@ -252,7 +265,9 @@ class GPUKDABackend(KDABackend):
         self.exact_checkpoints = exact_checkpoints
         self._step = _PerStep()
 
-    def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep:
+    def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep | KDADecodeStep:
+        if batch.decode_meta is not None:
+            return self._step.get(batch, "kda", lambda: KDADecodeStep(batch.decode_meta))
         return self._step.get(batch, "kda", lambda: _KDAStep(batch, device, self.exact_checkpoints))
 
     def short_conv(

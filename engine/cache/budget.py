@@ -36,6 +36,8 @@ def plan_cache(
 ) -> CacheLayout:
     """Slots first (every running request needs its KDA state), the rest becomes pages."""
     num_slots = config.max_num_seqs * slots_per_seq if cfg.kda_layers else 0
+    if num_slots and config.cuda_graphs:
+        num_slots += 1  # the padding rows' scratch slot of static decode steps (engine/decode_graph)
     if num_slots and config.enable_prefix_caching:
         extra = config.num_checkpoint_slots
         num_slots += 2 * config.max_num_seqs if extra is None else extra

@@ -36,7 +36,10 @@ class MoEAlign:
 def moe_align(ids: torch.Tensor, num_experts: int) -> MoEAlign:
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True)[1]
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max id on the host (a sync a CUDA graph cannot hold)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     return MoEAlign(order=order, token=order // ids.shape[1], offsets=counts.cumsum(0).to(torch.int32))
 
 
