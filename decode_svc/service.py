@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError
 from engine.kv_transfer.consumer import HandoffConsumer
+from engine.kv_transfer.wire import prefill_call
 from engine.llm_engine import ImportReservation, RequestOutput
 from kvstore.store import PrefixStore
 from prefill_svc.service import fingerprint_to_pb
@@ -30,7 +31,7 @@ from tandem.grpc_util import channel
 from tandem.metrics import WorkerMetrics
 from tandem.rpc import common_pb2 as cpb
 from tandem.rpc import decode_pb2 as pb
-from tandem.rpc import decode_pb2_grpc, prefill_pb2_grpc
+from tandem.rpc import decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +78,10 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         d = self.engine.drafter
         return tuple(d.aux_layer_ids) if d is not None and d.needs_aux else ()
 
-    def _prefill_stub(self, endpoint: str) -> prefill_pb2_grpc.PrefillStub:
+    def _prefill_call(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
         if endpoint not in self._channels:
             self._channels[endpoint] = channel(endpoint)
-        return prefill_pb2_grpc.PrefillStub(self._channels[endpoint])
+        return prefill_call(self._channels[endpoint])
 
     async def _reserve(self, rid: str, n: int, context: grpc.aio.ServicerContext) -> ImportReservation:
         deadline = time.monotonic() + self.config.reserve_timeout_s
@@ -185,7 +186,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         remaining = context.time_remaining()
         self.metrics.live_transfers.inc()
         t0 = time.monotonic()
-        call = self._prefill_stub(request.prefill_endpoint).Prefill(prefill_req, timeout=remaining)
+        call = self._prefill_call(request.prefill_endpoint)(prefill_req, timeout=remaining)
         try:
             async for msg in call:
                 result = consumer.accept(msg)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -17,6 +18,7 @@ from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import tensor_pieces
 from engine.kv_transfer.consumer import fingerprint_from_pb
 from engine.kv_transfer.producer import HandoffProducer
+from engine.kv_transfer.wire import EncodedChunk, encode_chunk
 from engine.llm_engine import RequestOutput
 from kvstore.store import PrefixStore
 from prefill_svc.config import PrefillConfig
@@ -40,7 +42,7 @@ def fingerprint_to_pb(f: Fingerprint) -> cpb.Fingerprint:
     )
 
 
-def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int):
+def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int) -> Iterator[EncodedChunk]:
     """The requested taps, in the requested order, from what the engine captured."""
     if out.aux_hidden is None or not set(want) <= set(out.aux_layer_ids):
         raise RuntimeError(f"aux hidden states {want} were not captured (have {out.aux_layer_ids})")
@@ -48,8 +50,8 @@ def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int):
     rows = [
         out.aux_hidden[out.aux_layer_ids.index(t) * hidden : (out.aux_layer_ids.index(t) + 1) * hidden] for t in want
     ]
-    for piece in tensor_pieces(torch.cat(rows), max_bytes):
-        yield pb.HandoffChunk(aux_hidden=pb.AuxHidden(layer_ids=list(want), tensor=piece))
+    for piece, data in tensor_pieces(torch.cat(rows), max_bytes):
+        yield encode_chunk(pb.HandoffChunk(aux_hidden=pb.AuxHidden(layer_ids=list(want), tensor=piece)), data)
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -152,9 +154,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     yield pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=hashes))
                     if aux_ids:
                         for msg in _aux_messages(item, aux_ids, max_bytes):
-                            payload += len(msg.aux_hidden.tensor.data)
+                            payload += msg.payload_bytes
                             num_messages += 1
-                            yield msg
+                            yield msg.wire
                     first = pb.FirstToken(has_logprob=bool(item.logprobs))
                     first.token.token_id = item.output_token_ids[0]
                     if item.logprobs:
@@ -173,15 +175,13 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     self.metrics.transfer_bytes.inc(payload)
                     self.metrics.transfer_seconds.observe(time.monotonic() - t0)
                     return
-                which = item.WhichOneof("payload")
-                if which == "kv":
-                    payload += len(item.kv.tensor.data)
+                payload += item.payload_bytes  # an EncodedChunk from the producer: kv or state
+                if item.kind == "kv":
                     num_kv += 1
                 else:
-                    payload += len(item.state.tensor.data)
                     num_state += 1
                 num_messages += 1
-                yield item
+                yield item.wire
         except asyncio.CancelledError:
             self.metrics.requests.labels("cancelled").inc()
             raise

@@ -10,9 +10,11 @@ import torch
 
 from engine.block_hash import block_hashes, namespace
 from engine.fingerprint import compute_fingerprint
+from engine.kv_transfer import consumer as consumer_mod
 from engine.kv_transfer.codec import HandoffError, TensorAssembler, tensor_pieces
 from engine.kv_transfer.consumer import HandoffConsumer
 from engine.kv_transfer.producer import HandoffProducer
+from engine.kv_transfer.wire import parse_chunk
 from engine.sampling_params import SamplingParams
 from prefill_svc.service import fingerprint_to_pb
 from tandem.rpc import prefill_pb2 as pb
@@ -38,7 +40,7 @@ def _handoff(engine, prompt):
             )
         )
     ]
-    producer.register("r", msgs.append, MAX_BYTES)
+    producer.register("r", lambda chunk: msgs.append(pb.HandoffChunk.FromString(chunk.wire)), MAX_BYTES)
     engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0), request_id="r")
     while len(engine.scheduler.running[0].output_token_ids) < 1 if engine.scheduler.running else True:
         engine.step()
@@ -59,7 +61,12 @@ def _handoff(engine, prompt):
 
 
 @pytest.mark.parametrize("prompt_len", [5, 16, 45])
-def test_handoff_roundtrip_is_bit_exact(model_dir, prompt_len):
+@pytest.mark.parametrize("via", ["protobuf", "wire", "host buffer"])
+def test_handoff_roundtrip_is_bit_exact(model_dir, prompt_len, via, monkeypatch):
+    """via: messages parsed by protobuf, or by wire.parse_chunk (as the decode service does), or with
+    pieces assembled in a host buffer first (how a device cache is filled)."""
+    if via == "host buffer":
+        monkeypatch.setattr(consumer_mod, "_byte_view", lambda t: None)
     p_engine = make_engine(model_dir, max_num_batched_tokens=7)  # chunked: pages finish across chunks
     d_engine = make_engine(model_dir)
     prompt = random_prompts(1, [prompt_len], seed=3)[0]
@@ -69,7 +76,7 @@ def test_handoff_roundtrip_is_bit_exact(model_dir, prompt_len):
     consumer = HandoffConsumer(d_engine.model_config, d_engine.cache, fp, prompt_len, res.page_ids, res.slot_ids)
     out = None
     for m in msgs:
-        out = consumer.accept(m) or out
+        out = consumer.accept(parse_chunk(m.SerializeToString()) if via == "wire" else m) or out
     assert out is not None and out.first_token == p_req.output_token_ids[0]
     ps = p_engine.config.page_size
     for layer, pages in p_engine.cache.kv.items():
@@ -100,6 +107,7 @@ def test_consumer_refuses_corruption_duplicates_and_truncation(tiny_models):
         finally:
             d_engine.release_import(res)
 
+    ps = d_engine.config.page_size
     i_data = next(i for i, m in enumerate(msgs) if m.HasField("state"))
     flipped = [pb.HandoffChunk() for _ in msgs]
     for a, b in zip(flipped, msgs, strict=True):
@@ -115,15 +123,23 @@ def test_consumer_refuses_corruption_duplicates_and_truncation(tiny_models):
         feed([m for i, m in enumerate(msgs) if i != i_data])
     with pytest.raises(HandoffError, match="expected the header"):
         feed(msgs[1:])
+    i_kv = next(i for i, m in enumerate(msgs) if m.HasField("kv") and m.kv.page_index == 1)
+    overlapping = pb.HandoffChunk()
+    overlapping.CopyFrom(msgs[i_kv])
+    overlapping.kv.page_index, overlapping.kv.num_tokens = 0, 2 * ps  # pages 0 and 1, both already here
+    with pytest.raises(HandoffError, match=f"kv layer {overlapping.kv.layer} page 0 received twice"):
+        feed([*msgs[: i_kv + 1], overlapping])
+    with pytest.raises(HandoffError, match="could not be decoded"):
+        feed([msgs[0], None])  # what grpc hands on when the deserializer failed
     assert d_engine.pages.num_used == 0
 
 
 def test_tensor_pieces_roundtrip_bf16():
     t = torch.randn(3, 5, 7).to(torch.bfloat16)
     asm = TensorAssembler("t", torch.bfloat16, (3, 5, 7))
-    for piece in tensor_pieces(t, 17):
-        assert len(piece.data) <= 17
-        asm.add(piece)
+    for piece, data in tensor_pieces(t, 17):
+        assert len(data) <= 17
+        asm.add(piece, data)
     assert asm.complete and torch.equal(asm.tensor(), t)
 
 

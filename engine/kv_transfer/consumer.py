@@ -13,6 +13,7 @@ import torch
 from engine.cache.tensors import CacheTensors
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError, TensorAssembler
+from engine.kv_transfer.wire import ReceivedChunk
 from engine.model_config import ModelConfig
 from engine.request import TokenLogprobs
 from tandem.rpc import prefill_pb2 as pb
@@ -33,6 +34,14 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise HandoffError(f"unknown dtype {name!r}")
     return dt
+
+
+def _byte_view(t: torch.Tensor) -> memoryview | None:
+    """A writable flat byte view of a contiguous CPU tensor (pieces are copied straight into it); None
+    for other tensors, which are assembled in a host buffer and copied in when complete."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
 
 
 def fingerprint_from_pb(f: pb.Fingerprint) -> Fingerprint:  # type: ignore[name-defined]
@@ -60,6 +69,8 @@ class HandoffConsumer:
         self.dtype = next(iter(cache.kv.values())).dtype if cache.kv else torch.float32
         self._parts: dict[tuple, TensorAssembler] = {}
         self._done: set[tuple] = set()
+        self._kv_pages: set[tuple[int, int]] = set()  # (layer, page) of every kv part begun
+        self._kv_bytes = {layer: _byte_view(t) for layer, t in cache.kv.items()}
         self._header = False
         self._first: pb.FirstToken | None = None
         self._hashes: list[bytes] = []
@@ -68,8 +79,14 @@ class HandoffConsumer:
         self.num_kv_parts = 0
         self._aux: dict[int, torch.Tensor] | None = None
 
-    def accept(self, msg: pb.HandoffChunk) -> HandoffResult | None:
-        """Take one message; returns the result after a valid end marker."""
+    def accept(self, msg: pb.HandoffChunk | ReceivedChunk | None) -> HandoffResult | None:
+        """Take one message; returns the result after a valid end marker. ``msg``: as parsed by protobuf,
+        or by wire.parse_chunk (payload apart); None where gRPC could not deserialize it."""
+        if msg is None:
+            raise HandoffError("a handoff message could not be decoded")
+        data = None
+        if isinstance(msg, ReceivedChunk):
+            msg, data = msg.chunk, msg.data
         which = msg.WhichOneof("payload")
         if which != "header" and not self._header:
             raise HandoffError(f"handoff began with {which!r}, expected the header")
@@ -79,15 +96,15 @@ class HandoffConsumer:
         if which == "header":
             self._on_header(msg.header)
         elif which == "kv":
-            self._on_kv(msg.kv)
+            self._on_kv(msg.kv, data)
         elif which == "state":
-            self._on_state(msg.state)
+            self._on_state(msg.state, data)
         elif which == "block_hashes":
             self._hashes = list(msg.block_hashes.hashes)
         elif which == "first_token":
             self._first = msg.first_token
         elif which == "aux_hidden":
-            self._on_aux(msg.aux_hidden)
+            self._on_aux(msg.aux_hidden, data)
         else:
             raise HandoffError(f"unknown handoff message {which!r}")
         return None
@@ -108,53 +125,82 @@ class HandoffConsumer:
             raise HandoffError("producer's layer lists differ from this consumer's")
         self._header = True
 
-    def _on_kv(self, part: pb.KVPagePart) -> None:
+    def _on_kv(self, part: pb.KVPagePart, data: memoryview | None) -> None:
         """Tokens [page_index * page_size, + num_tokens) of one layer; whole pages, except the
         prompt's last one, which may be partial."""
         layer, p0, n = part.layer, part.page_index, part.num_tokens
+        key = ("kv", layer, p0, n)
+        asm = self._parts.get(key) or self._begin_kv(layer, p0, n)
+        self.payload_bytes += asm.add(part.tensor, data)
+        if asm.complete:
+            if asm.buf is not None:  # assembled on the host: copy into the pages now
+                rows, ps = asm.tensor(), self.page_size
+                for j in range(-(-n // ps)):
+                    chunk = rows[j * ps : (j + 1) * ps]
+                    self.cache.kv[layer][self.page_ids[p0 + j], : chunk.shape[0]] = chunk
+            self._done.update(("kv", layer, p) for p in range(p0, p0 + -(-n // self.page_size)))
+            self._complete(key)
+            self.num_kv_parts += 1
+
+    def _begin_kv(self, layer: int, p0: int, n: int) -> TensorAssembler:
         ps = self.page_size
         start = p0 * ps
         if layer not in self.cache.kv or n == 0 or start + n > self.n:
             raise HandoffError(f"kv part for layer {layer} tokens [{start}, {start + n}) is outside the request")
         if n % ps and start + n != self.n:
             raise HandoffError(f"kv layer {layer} page {p0}: {n} tokens is not whole pages and not the prompt's end")
-        key = ("kv", layer, p0, n)
-        asm = self._assembler(key, f"kv layer {layer} pages from {p0}", (n, *self.cfg.kv_entry_shape), self.dtype)
-        self.payload_bytes += asm.add(part.tensor)
-        if asm.complete:
-            rows = asm.tensor()
-            pages = range(p0, p0 + -(-n // ps))
-            for p in pages:
-                if ("kv", layer, p) in self._done:
-                    raise HandoffError(f"kv layer {layer} page {p} received twice")
+        pages = range(p0, p0 + -(-n // ps))
+        for p in pages:  # checked before any byte is written: no part overwrites another's pages
+            if (layer, p) in self._kv_pages:
+                raise HandoffError(f"kv layer {layer} page {p} received twice")
+        self._kv_pages.update((layer, p) for p in pages)
+        flat = self._kv_bytes[layer]
+        segments = None
+        if flat is not None:  # write into the reserved pages directly; consecutive page ids are one segment
+            page_bytes = len(flat) // self.cache.kv[layer].shape[0]
+            row_bytes = page_bytes // ps
+            segments = []
             for j, p in enumerate(pages):
-                chunk = rows[j * ps : (j + 1) * ps]
-                self.cache.kv[layer][self.page_ids[p], : chunk.shape[0]] = chunk
-                self._done.add(("kv", layer, p))
-            self._complete(key)
-            self.num_kv_parts += 1
+                at = self.page_ids[p] * page_bytes
+                size = min(n - j * ps, ps) * row_bytes
+                last = segments[-1] if segments else None
+                if last is not None and last[0] + last[1] == at:
+                    segments[-1] = (last[0], last[1] + size)
+                else:
+                    segments.append((at, size))
+            segments = [flat[at : at + size] for at, size in segments]
+        what = f"kv layer {layer} pages from {p0}"
+        asm = TensorAssembler(what, self.dtype, (n, *self.cfg.kv_entry_shape), segments)
+        self._parts[("kv", layer, p0, n)] = asm
+        return asm
 
-    def _on_state(self, part: pb.StatePart) -> None:
+    def _on_state(self, part: pb.StatePart, data: memoryview | None) -> None:
         layer = part.layer
         if layer not in self.cache.recurrent or part.kind not in (pb.RECURRENT, pb.CONV):
             raise HandoffError(f"state part for layer {layer} kind {part.kind} does not exist here")
         pool = self.cache.recurrent[layer] if part.kind == pb.RECURRENT else self.cache.conv[layer]
         key = ("state", layer, int(part.kind))
-        asm = self._assembler(
-            key, f"{pb.StateKind.Name(part.kind)} state layer {layer}", tuple(pool.shape[1:]), pool.dtype
-        )
-        asm.add(part.tensor)
-        self.payload_bytes += len(part.tensor.data)
+        asm = self._parts.get(key)
+        if asm is None:
+            if key in self._done:
+                raise HandoffError(f"{pb.StateKind.Name(part.kind)} state layer {layer} received twice")
+            flat = _byte_view(pool[self.slot_ids[0]])
+            what = f"{pb.StateKind.Name(part.kind)} state layer {layer}"
+            asm = self._parts[key] = TensorAssembler(
+                what, pool.dtype, tuple(pool.shape[1:]), None if flat is None else [flat]
+            )
+        self.payload_bytes += asm.add(part.tensor, data)
         if asm.complete:
-            pool[self.slot_ids[0]] = asm.tensor()
+            if asm.buf is not None:
+                pool[self.slot_ids[0]] = asm.tensor()
             self._complete(key)
 
-    def _on_aux(self, part: pb.AuxHidden) -> None:
+    def _on_aux(self, part: pb.AuxHidden, data: memoryview | None) -> None:
         ids = list(part.layer_ids)
         hidden = self.cfg.hidden_size
         shape = (len(ids) * hidden,)
         asm = self._assembler(("aux",), "aux hidden states", shape, _dtype(part.tensor.dtype))
-        self.payload_bytes += asm.add(part.tensor)
+        self.payload_bytes += asm.add(part.tensor, data)
         if asm.complete:
             flat = asm.tensor().clone()
             self._aux = {layer: flat[j * hidden : (j + 1) * hidden] for j, layer in enumerate(ids)}

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.kv_transfer.codec import tensor_pieces
+from engine.kv_transfer.wire import EncodedChunk, encode_chunk
 from engine.model_config import ModelConfig
 from tandem.rpc import prefill_pb2 as pb
 
-Sink = Callable[[pb.HandoffChunk], None]
+Sink = Callable[[EncodedChunk], None]
 
 
 class HandoffProducer:
@@ -45,7 +46,7 @@ class HandoffProducer:
         with self._lock:
             return {rid: max_bytes for rid, (_, max_bytes) in self._sinks.items()}
 
-    def deliver(self, request_id: str, chunk: pb.HandoffChunk) -> None:
+    def deliver(self, request_id: str, chunk: EncodedChunk) -> None:
         """Pass on a chunk another pipeline stage produced for a registered request."""
         with self._lock:
             entry = self._sinks.get(request_id)
@@ -69,8 +70,9 @@ class HandoffProducer:
                         (pb.RECURRENT, self.cache.recurrent[layer][slot]),
                         (pb.CONV, self.cache.conv[layer][slot]),
                     ):
-                        for piece in tensor_pieces(t, max_bytes):
-                            sink(pb.HandoffChunk(state=pb.StatePart(layer=layer, kind=kind, tensor=piece)))
+                        for piece, data in tensor_pieces(t, max_bytes):
+                            part = pb.StatePart(layer=layer, kind=kind, tensor=piece)
+                            sink(encode_chunk(pb.HandoffChunk(state=part), data))
                 continue
             table = batch.block_tables[i]
             first = self._next_page.get((rid, layer), 0)
@@ -87,8 +89,8 @@ class HandoffProducer:
                 group = ready[g : g + per_msg]
                 n = min(end - group[0] * ps, len(group) * ps)
                 rows = self.cache.kv[layer][table[group[0] : group[-1] + 1]].flatten(0, 1)[:n]
-                for piece in tensor_pieces(rows, max_bytes):
+                for piece, data in tensor_pieces(rows, max_bytes):
                     part = pb.KVPagePart(layer=layer, page_index=group[0], num_tokens=n, tensor=piece)
-                    sink(pb.HandoffChunk(kv=part))
+                    sink(encode_chunk(pb.HandoffChunk(kv=part), data))
             if ready:
                 self._next_page[(rid, layer)] = ready[-1] + 1

@@ -25,9 +25,9 @@ import torch
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
 from engine.kv_transfer.producer import HandoffProducer
+from engine.kv_transfer.wire import EncodedChunk
 from engine.model_config import ModelConfig
 from engine.parallel.tp import TPPlan
-from tandem.rpc import prefill_pb2 as pb
 
 
 class RelayProducer:
@@ -35,7 +35,7 @@ class RelayProducer:
 
     def __init__(self, cfg: ModelConfig, cache: CacheTensors, page_size: int) -> None:
         self.producer = HandoffProducer(cfg, cache, page_size)
-        self.outbox: list[tuple[str, bytes]] = []
+        self.outbox: list[tuple[str, EncodedChunk]] = []
         self.active: set[str] = set()
 
     def begin(self, streams: dict[str, int]) -> None:
@@ -47,17 +47,17 @@ class RelayProducer:
                 self.producer.register(rid, self._sink(rid), max_bytes)
         self.active = set(streams)
 
-    def _sink(self, rid: str) -> Callable[[pb.HandoffChunk], None]:
-        return lambda chunk: self.outbox.append((rid, chunk.SerializeToString()))
+    def _sink(self, rid: str) -> Callable[[EncodedChunk], None]:
+        return lambda chunk: self.outbox.append((rid, chunk))
 
-    def take(self) -> list[tuple[str, bytes]]:
+    def take(self) -> list[tuple[str, EncodedChunk]]:
         out, self.outbox = self.outbox, []
         return out
 
 
-def deliver_relayed(producer: HandoffProducer, chunks: list[tuple[str, bytes]]) -> None:
-    for rid, data in chunks:
-        producer.deliver(rid, pb.HandoffChunk.FromString(data))
+def deliver_relayed(producer: HandoffProducer, chunks: list[tuple[str, EncodedChunk]]) -> None:
+    for rid, chunk in chunks:
+        producer.deliver(rid, chunk)
 
 
 # ---- consumer side -------------------------------------------------------------------------------------
