@@ -380,22 +380,28 @@ class LLMEngine:
         position, where the drafter reads the target's aux states."""
         sampled: dict[str, SampleResult] = {}
         aux_rows: dict[str, int] = {}
+        plain: list[tuple[Request, int]] = []  # (request, its logits row): sampled in one call below
         row = 0
         for c in chunks:
             if not c.samples:
                 continue
-            req, rows = c.request, logits[row : row + 1 + len(c.drafts)]
+            req = c.request
             if c.drafts:
-                tokens, accepted = verify_drafts(rows.float().cpu(), list(c.drafts), req, self.sampler._rng)
+                rows = logits[row : row + 1 + len(c.drafts)].float().cpu()
+                tokens, accepted = verify_drafts(rows, list(c.drafts), req, self.sampler._rng)
                 n_top = req.params.logprobs
-                lps = token_logprobs(rows.float().cpu(), tokens, n_top) if n_top is not None else []
+                lps = token_logprobs(rows, tokens, n_top) if n_top is not None else []
                 sampled[req.request_id] = SampleResult(tokens, lps, accepted)
                 aux_rows[req.request_id] = row + accepted
             else:
-                ((token, lp),) = self.sampler.sample(rows, [req])
-                sampled[req.request_id] = SampleResult([token], [lp] if lp is not None else [])
+                plain.append((req, row))
                 aux_rows[req.request_id] = row
             row += 1 + len(c.drafts)
+        if plain:
+            rows_t = torch.tensor([r for _, r in plain], device=logits.device)
+            drawn = self.sampler.sample(logits[rows_t], [req for req, _ in plain])
+            for (req, _), (token, lp) in zip(plain, drawn, strict=True):
+                sampled[req.request_id] = SampleResult([token], [lp] if lp is not None else [])
         return sampled, aux_rows
 
     def _draft(self, aux_rows: dict[str, int]) -> None:

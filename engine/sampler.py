@@ -22,15 +22,24 @@ class Sampler:
         self._rng = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, TokenLogprobs | None]]:
-        """logits [S, V] fp32 (row i belongs to requests[i])."""
-        logits = logits.float().cpu()
+        """logits [S, V] fp32 (row i belongs to requests[i]). Greedy rows take their argmax where the
+        logits are (one op for the batch, S ids back to the host); only rows that draw or report
+        logprobs are copied to the host (on a GPU a full [S, V] copy per step costs more than the step)."""
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        tokens: list[int] = [0] * len(requests)
+        if greedy:
+            rows = logits if len(greedy) == len(requests) else logits[greedy]
+            for i, t in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = t  # argmax: the first of equal maxima, on every device
+        need = [i for i, r in enumerate(requests) if not r.params.greedy or r.params.logprobs is not None]
+        host = dict(zip(need, logits[need].float().cpu(), strict=True)) if need else {}
         out = []
-        for row, req in zip(logits, requests, strict=True):
+        for i, req in enumerate(requests):
             p = req.params
-            token = int(torch.argmax(row)) if p.greedy else self._draw(row, req)
+            token = tokens[i] if p.greedy else self._draw(host[i], req)
             lp = None
             if p.logprobs is not None:
-                logprobs = torch.log_softmax(row, dim=-1)
+                logprobs = torch.log_softmax(host[i], dim=-1)
                 top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
                 lp = TokenLogprobs(
                     token,
