@@ -18,11 +18,12 @@ import grpc
 import torch
 
 from decode_svc.config import DecodeConfig
+from decode_svc.pull import StageStreamFailed, pull_handoff
 from engine.async_engine import AsyncEngine
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError
 from engine.kv_transfer.consumer import HandoffConsumer
-from engine.kv_transfer.wire import prefill_call
+from engine.kv_transfer.wire import prefill_call, stage_pull_call
 from engine.llm_engine import ImportReservation, RequestOutput
 from kvstore.store import PrefixStore
 from prefill_svc.service import fingerprint_to_pb
@@ -82,6 +83,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if endpoint not in self._channels:
             self._channels[endpoint] = channel(endpoint)
         return prefill_call(self._channels[endpoint])
+
+    def _stage_call(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
+        if endpoint not in self._channels:
+            self._channels[endpoint] = channel(endpoint)
+        return stage_pull_call(self._channels[endpoint])
 
     async def _reserve(self, rid: str, n: int, context: grpc.aio.ServicerContext) -> ImportReservation:
         deadline = time.monotonic() + self.config.reserve_timeout_s
@@ -188,18 +194,18 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         t0 = time.monotonic()
         call = self._prefill_call(request.prefill_endpoint)(prefill_req, timeout=remaining)
         try:
-            async for msg in call:
-                result = consumer.accept(msg)
-                if result is not None:
-                    self.metrics.transfer_bytes.inc(result.payload_bytes)
-                    self.metrics.transfer_seconds.observe(time.monotonic() - t0)
-                    return result
-            raise HandoffError("prefill stream ended without an end marker")
+            result = await pull_handoff(call, consumer, self._stage_call, request.request_id, remaining)
+            self.metrics.transfer_bytes.inc(result.payload_bytes)
+            self.metrics.transfer_seconds.observe(time.monotonic() - t0)
+            return result
         except HandoffError as e:
             call.cancel()
             self.metrics.requests.labels("bad_handoff").inc()
             logger.warning("request %s: handoff refused: %s", request.request_id, e)
             await context.abort(grpc.StatusCode.DATA_LOSS, f"handoff from {request.prefill_endpoint} refused: {e}")
+        except StageStreamFailed as e:
+            self.metrics.requests.labels("prefill_failed").inc()
+            await context.abort(_GRPC_TO_GRPC.get(e.code, grpc.StatusCode.UNAVAILABLE), str(e))
         except grpc.aio.AioRpcError as e:
             self.metrics.requests.labels("prefill_failed").inc()
             code = _GRPC_TO_GRPC.get(e.code(), grpc.StatusCode.UNAVAILABLE)

@@ -246,7 +246,11 @@ class LLMEngine:
         return self.cache, res.page_ids, res.slot_ids
 
     def attach_handoff_producer(self, producer: HandoffProducer) -> None:
-        """A parallel engine relays other pipeline stages' handoff chunks through the producer."""
+        """A parallel engine tells its other pipeline stages which requests stream (StepPlan.handoff)."""
+
+    def start_stage_streams(self, host: str) -> list:
+        """A pipelined engine's stages > 0 serve their own handoff streams; one stage has none."""
+        return []
 
     def close(self) -> None:
         """Release the engine's processes (a parallel engine's ranks); nothing to do in one process."""

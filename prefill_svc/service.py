@@ -74,7 +74,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.namespace_digest = fingerprint.model_digest
         self.producer = HandoffProducer(self.engine.model_config, self.engine.cache, self.engine.config.page_size)
         self.engine.model.layer_hooks.append(self.producer.on_layer)
-        self.engine.attach_handoff_producer(self.producer)  # other pipeline stages' chunks come through it
+        self.engine.attach_handoff_producer(self.producer)  # other pipeline stages follow its registrations
+        self._stage_streams: list[pb.StageStream] | None = None
+        self._stage_lock = asyncio.Lock()
         self._outstanding_tokens = 0
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
@@ -87,6 +89,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             outstanding_requests=self.engine.num_outstanding,
             outstanding_tokens=self._outstanding_tokens,
         )
+
+    async def _stages(self) -> list[pb.StageStream]:
+        """Stages > 0 of a pipelined engine serve their own layers' share (started on the first request,
+        on the engine thread, so no step runs meanwhile)."""
+        async with self._stage_lock:
+            if self._stage_streams is None:
+                found = await self.aengine.call(lambda e: e.start_stage_streams(self.config.host))
+                self._stage_streams = [
+                    pb.StageStream(stage=s.stage, endpoint=s.endpoint, layers=s.layers) for s in found
+                ]
+            return self._stage_streams
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -129,6 +142,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     page_size=self.engine.config.page_size,
                     attention_layers=list(cfg.attention_layers),
                     kda_layers=list(cfg.kda_layers),
+                    stage_streams=await self._stages(),
                 )
             )
             num_messages += 1

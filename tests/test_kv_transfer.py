@@ -119,8 +119,15 @@ def test_consumer_refuses_corruption_duplicates_and_truncation(tiny_models):
         feed(flipped)
     with pytest.raises(HandoffError, match=r"twice|more bytes"):
         feed([*msgs[: i_data + 1], msgs[i_data], *msgs[i_data + 1 :]])
+    dropped = [m for i, m in enumerate(msgs) if i != i_data]
+    with pytest.raises(HandoffError, match=r"end marker says .* received"):
+        feed(dropped)
+    consistent = [*dropped[:-1], pb.HandoffChunk()]  # an end marker that counts what was sent
+    consistent[-1].end.CopyFrom(msgs[-1].end)
+    consistent[-1].end.num_messages -= 1
+    consistent[-1].end.payload_bytes -= len(msgs[i_data].state.tensor.data)
     with pytest.raises(HandoffError, match="incomplete"):
-        feed([m for i, m in enumerate(msgs) if i != i_data])
+        feed(consistent)
     with pytest.raises(HandoffError, match="expected the header"):
         feed(msgs[1:])
     i_kv = next(i for i, m in enumerate(msgs) if m.HasField("kv") and m.kv.page_index == 1)

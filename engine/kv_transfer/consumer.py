@@ -48,6 +48,16 @@ def fingerprint_from_pb(f: pb.Fingerprint) -> Fingerprint:  # type: ignore[name-
     return Fingerprint(f.model_digest, f.tokenizer_digest, f.dtype, f.page_size, f.cache_layout)
 
 
+@dataclass
+class _Tally:
+    """What one stream delivered, checked against its end marker."""
+
+    layers: frozenset[int] | None = None  # a stage stream's layers (None: the main stream)
+    messages: int = 0
+    payload: int = 0
+    end: pb.HandoffEnd | None = None
+
+
 class HandoffConsumer:
     def __init__(
         self,
@@ -74,8 +84,11 @@ class HandoffConsumer:
         self._header = False
         self._first: pb.FirstToken | None = None
         self._hashes: list[bytes] = []
-        self.num_messages = 0
-        self.payload_bytes = 0
+        self._main = _Tally()
+        self._stages: dict[int, _Tally] = {}
+        """A pipelined producer's other stages (announced in the header): stage -> its stream's tally."""
+        self._cur = self._main  # the stream whose message is being taken
+        self.stage_streams: list[pb.StageStream] = []
         self.num_kv_parts = 0
         self._aux: dict[int, torch.Tensor] | None = None
 
@@ -90,9 +103,14 @@ class HandoffConsumer:
         which = msg.WhichOneof("payload")
         if which != "header" and not self._header:
             raise HandoffError(f"handoff began with {which!r}, expected the header")
+        self._cur = self._main
         if which == "end":
-            return self._finish(msg.end)
-        self.num_messages += 1
+            return self._end(self._main, msg.end, "the prefill stream")
+        self._main.messages += 1
+        if which in ("kv", "state") and self._stages:
+            layer = msg.kv.layer if which == "kv" else msg.state.layer
+            if any(layer in t.layers for t in self._stages.values()):
+                raise HandoffError(f"the prefill stream sent layer {layer}, which its header gave to a stage stream")
         if which == "header":
             self._on_header(msg.header)
         elif which == "kv":
@@ -109,6 +127,56 @@ class HandoffConsumer:
             raise HandoffError(f"unknown handoff message {which!r}")
         return None
 
+    def accept_stage(self, stage: int, msg: pb.HandoffChunk | ReceivedChunk | None) -> HandoffResult | None:
+        """Take one message of a stage stream (kv / state of that stage's layers, then its end marker);
+        returns the result when this completes the whole handoff."""
+        tally = self._stages.get(stage)
+        if tally is None:
+            raise HandoffError(f"stage {stage} was not announced by the producer's header")
+        if msg is None:
+            raise HandoffError(f"a message of stage {stage}'s stream could not be decoded")
+        data = None
+        if isinstance(msg, ReceivedChunk):
+            msg, data = msg.chunk, msg.data
+        which = msg.WhichOneof("payload")
+        self._cur = tally
+        if which == "end":
+            return self._end(tally, msg.end, f"stage {stage}'s stream")
+        if tally.end is not None:
+            raise HandoffError(f"stage {stage}'s stream sent {which!r} after its end marker")
+        part = msg.kv if which == "kv" else msg.state if which == "state" else None
+        if part is None or part.layer not in tally.layers:
+            what = f"layer {part.layer}" if part is not None else repr(which)
+            raise HandoffError(f"stage {stage}'s stream sent {what}, outside its layers {sorted(tally.layers)}")
+        tally.messages += 1
+        if which == "kv":
+            self._on_kv(msg.kv, data)
+        else:
+            self._on_state(msg.state, data)
+        return None
+
+    def _end(self, tally: _Tally, end: pb.HandoffEnd, stream: str) -> HandoffResult | None:
+        if tally.end is not None:
+            raise HandoffError(f"{stream} sent a second end marker")
+        if (end.num_messages, end.payload_bytes) != (tally.messages, tally.payload):
+            raise HandoffError(
+                f"{stream}'s end marker says {end.num_messages} messages / {end.payload_bytes} bytes, "
+                f"received {tally.messages} / {tally.payload}"
+            )
+        tally.end = end
+        if self._main.end is None or any(t.end is None for t in self._stages.values()):
+            return None  # another stream still runs
+        return self._finish()
+
+    def stream_ended(self, stage: int) -> bool:
+        """Whether the stream of this stage (0: the prefill stream) delivered a valid end marker."""
+        tally = self._main if stage == 0 else self._stages.get(stage)
+        return tally is not None and tally.end is not None
+
+    @property
+    def payload_bytes(self) -> int:
+        return self._main.payload + sum(t.payload for t in self._stages.values())
+
     def _on_header(self, h: pb.HandoffHeader) -> None:
         theirs = fingerprint_from_pb(h.producer_fingerprint)
         diffs = self.fingerprint.differences(theirs)
@@ -123,6 +191,16 @@ class HandoffConsumer:
             self.cfg.kda_layers
         ):
             raise HandoffError("producer's layer lists differ from this consumer's")
+        seen: set[int] = set()
+        for st in h.stage_streams:
+            layers = frozenset(st.layers)
+            if st.stage == 0 or st.stage in self._stages or not layers or layers & seen or not st.endpoint:
+                raise HandoffError(f"header announces a bad stage stream: stage {st.stage} at {st.endpoint!r}")
+            if not layers <= set(range(self.cfg.num_hidden_layers)):
+                raise HandoffError(f"stage {st.stage}'s layers {sorted(layers)} are not this model's")
+            seen |= layers
+            self._stages[st.stage] = _Tally(layers)
+        self.stage_streams = list(h.stage_streams)
         self._header = True
 
     def _on_kv(self, part: pb.KVPagePart, data: memoryview | None) -> None:
@@ -131,7 +209,7 @@ class HandoffConsumer:
         layer, p0, n = part.layer, part.page_index, part.num_tokens
         key = ("kv", layer, p0, n)
         asm = self._parts.get(key) or self._begin_kv(layer, p0, n)
-        self.payload_bytes += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data)
         if asm.complete:
             if asm.buf is not None:  # assembled on the host: copy into the pages now
                 rows, ps = asm.tensor(), self.page_size
@@ -189,7 +267,7 @@ class HandoffConsumer:
             asm = self._parts[key] = TensorAssembler(
                 what, pool.dtype, tuple(pool.shape[1:]), None if flat is None else [flat]
             )
-        self.payload_bytes += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data)
         if asm.complete:
             if asm.buf is not None:
                 pool[self.slot_ids[0]] = asm.tensor()
@@ -200,7 +278,7 @@ class HandoffConsumer:
         hidden = self.cfg.hidden_size
         shape = (len(ids) * hidden,)
         asm = self._assembler(("aux",), "aux hidden states", shape, _dtype(part.tensor.dtype))
-        self.payload_bytes += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data)
         if asm.complete:
             flat = asm.tensor().clone()
             self._aux = {layer: flat[j * hidden : (j + 1) * hidden] for j, layer in enumerate(ids)}
@@ -217,7 +295,7 @@ class HandoffConsumer:
         del self._parts[key]
         self._done.add(key)
 
-    def _finish(self, end: pb.HandoffEnd) -> HandoffResult:
+    def _finish(self) -> HandoffResult:
         missing = [
             f"kv layer {layer} page {p}"
             for layer in self.cfg.attention_layers
@@ -232,11 +310,6 @@ class HandoffConsumer:
         ]
         if missing or self._parts:
             raise HandoffError(f"handoff incomplete: missing {missing[:6]} ({len(missing)} in all)")
-        if (end.num_messages, end.payload_bytes) != (self.num_messages, self.payload_bytes):
-            raise HandoffError(
-                f"end marker says {end.num_messages} messages / {end.payload_bytes} bytes, "
-                f"received {self.num_messages} / {self.payload_bytes}"
-            )
         if self._first is None:
             raise HandoffError("handoff has no first token")
         t = self._first.token

@@ -31,6 +31,8 @@ _TENSOR_FIELD = {
 _DATA_FIELD = pb.TensorBytes.DATA_FIELD_NUMBER
 _PREFILL = pb.DESCRIPTOR.services_by_name["Prefill"]
 PREFILL_METHOD = f"/{_PREFILL.full_name}/{_PREFILL.methods_by_name['Prefill'].name}"
+_STAGE = pb.DESCRIPTOR.services_by_name["PrefillStage"]
+STAGE_PULL_METHOD = f"/{_STAGE.full_name}/Pull"
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
@@ -142,7 +144,8 @@ def encode_chunk(chunk: pb.HandoffChunk, data: memoryview | bytes) -> EncodedChu
     return EncodedChunk(wire, kind, len(data))
 
 
-def _serialize(msg: pb.HandoffChunk | bytes) -> bytes:
+def serialize_chunk(msg: pb.HandoffChunk | bytes) -> bytes:
+    """A handoff stream's response serializer: producer messages (EncodedChunk.wire) go as they are."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
@@ -156,7 +159,7 @@ def add_prefill_servicer(servicer: object, server: grpc.aio.Server) -> None:
             response_serializer=cpb.WorkerInfo.SerializeToString,
         ),
         "Prefill": grpc.unary_stream_rpc_method_handler(
-            servicer.Prefill, request_deserializer=pb.PrefillRequest.FromString, response_serializer=_serialize
+            servicer.Prefill, request_deserializer=pb.PrefillRequest.FromString, response_serializer=serialize_chunk
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_PREFILL.full_name, handlers),))
@@ -196,6 +199,13 @@ def prefill_call(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable
     deserializer copies every payload)."""
     return channel.unary_stream(
         PREFILL_METHOD, request_serializer=pb.PrefillRequest.SerializeToString, response_deserializer=parse_chunk
+    )
+
+
+def stage_pull_call(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
+    """PrefillStage/Pull (one pipeline stage's share of a handoff), parsed like the Prefill stream."""
+    return channel.unary_stream(
+        STAGE_PULL_METHOD, request_serializer=pb.StagePullRequest.SerializeToString, response_deserializer=parse_chunk
     )
 
 

@@ -4,7 +4,7 @@ every rank, one broadcast command per step.
     step():  schedule (rank 0 only)
              -> StepPlan: the ForwardBatch + KDA fork copies + live handoff streams, broadcast
              -> every rank runs its part (engine/parallel/runner.py); rank 0 gets the logits
-             -> relayed handoff chunks of stages > 0 reach their gRPC streams
+             -> (P/D) every stage's leader has put its layers' handoff messages in its own stream
              -> later stages send rank 0 the aux taps they own (when a drafter or a handoff reads them)
              -> rank 0 samples or verifies drafts; tokens + accepted counts are broadcast (every rank
                 logs the same); a rejected draft's KDA state is dropped by the slot swap rank 0's
@@ -15,6 +15,7 @@ every rank, one broadcast command per step.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,8 @@ from engine.parallel.launcher import RankProcesses, RankState
 from engine.parallel.plan import CallCommand, ImportCommand, StepPlan, StopCommand
 from engine.parallel.runner import StageRunner
 from engine.parallel.stage import build_stage, make_stage_cache, plan_stage_cache
-from engine.parallel.transfer import deliver_relayed, slice_for_rank, staging_cache, write_slice
+from engine.parallel.stage_stream import StageEndpoint, start_stage_streams
+from engine.parallel.transfer import slice_for_rank, staging_cache, write_slice
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampleResult, SchedulerOutput
@@ -129,11 +131,6 @@ class ParallelLLMEngine(LLMEngine):
         self.groups.broadcast_command(plan)
         logits = self.stage_runner.run(plan)
         assert logits is not None  # rank 0 samples
-        if plan.handoff:  # stages > 0 relay their chunks; they reach the streams before the first token
-            for stage in range(1, self.parallel.pp):
-                chunks = self.groups.recv_object(self.parallel.rank_of(stage, 0))
-                if self._producer is not None:
-                    deliver_relayed(self._producer, chunks)
         if plan.aux_layer_ids:
             self.model.aux_states = self._gather_taps(plan.aux_layer_ids)
         return logits
@@ -151,6 +148,11 @@ class ParallelLLMEngine(LLMEngine):
     # ---- P/D -----------------------------------------------------------------------------------------------
     def attach_handoff_producer(self, producer: HandoffProducer) -> None:
         self._producer = producer
+
+    def start_stage_streams(self, host: str) -> list[StageEndpoint]:
+        """Prefill worker: stages > 0 serve their layers' share of every handoff from their own endpoint."""
+        found = self.collective_call(functools.partial(start_stage_streams, host=host))
+        return sorted((e for e in found if e is not None), key=lambda e: e.stage)
 
     def import_target(self, res: ImportReservation) -> tuple[CacheTensors, list[int], list[int]]:
         staging = staging_cache(self.model_config, res.num_prompt_tokens, self.config.page_size, self.dtype)

@@ -24,7 +24,8 @@ from engine.parallel.groups import ParallelGroups
 from engine.parallel.plan import CallCommand, ImportCommand, StepPlan, StopCommand
 from engine.parallel.runner import StageRunner
 from engine.parallel.stage import Stage, build_stage, make_stage_cache, plan_stage_cache
-from engine.parallel.transfer import RelayProducer, write_slice
+from engine.parallel.stage_stream import StageProducer
+from engine.parallel.transfer import write_slice
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ class RankState:
     stage: Stage
     cache: CacheTensors
     runner: StageRunner
-    relay: RelayProducer | None = None
+    relay: StageProducer | None = None
+    """A prefill stage leader's handoff streams (stages > 0, once the worker started them)."""
 
     @property
     def rank(self) -> int:
@@ -92,11 +94,7 @@ def build_rank(config: EngineConfig, groups: ParallelGroups, device: torch.devic
     layout = plan_stage_cache(config, stage, groups, dtype, device)
     cache = make_stage_cache(stage, layout, dtype, device)
     runner = StageRunner(stage, cache, groups, device)
-    relay = None
-    if groups.is_stage_leader and not groups.is_first_stage:  # rank 0 produces stage 0's chunks itself
-        relay = RelayProducer(cfg, cache, config.page_size)
-        stage.model.layer_hooks.append(relay.producer.on_layer)
-    return RankState(config, groups, stage, cache, runner, relay)
+    return RankState(config, groups, stage, cache, runner)
 
 
 def serve(state: RankState) -> None:
@@ -108,8 +106,8 @@ def serve(state: RankState) -> None:
             if state.relay is not None:
                 state.relay.begin(cmd.handoff)
             state.runner.run(cmd)
-            if cmd.handoff and state.relay is not None:
-                g.send_object(state.relay.take(), 0)
+            if state.relay is not None:
+                state.relay.end_step(cmd)
             state.runner.send_taps(cmd)
             if cmd.num_sampled:
                 state.runner.sync_results(None, cmd.sample_widths)
@@ -122,6 +120,8 @@ def serve(state: RankState) -> None:
                 result = e
             g.gather_objects(result)
         elif isinstance(cmd, StopCommand):
+            if state.relay is not None:
+                state.relay.stop()
             return
         else:
             raise RuntimeError(f"rank {g.rank}: unknown command {type(cmd).__name__}")

@@ -2,13 +2,9 @@
 
 Producer (prefill, pcp x pp): every stage holds only its own layers' pages and KDA state, so every
 stage produces the handoff chunks of its layers (PCP ranks hold full replicas; the stage leader
-produces). Rank 0's stage streams them straight into the gRPC response as its layers finish; the
-other stages' leaders collect theirs during the step and send them to rank 0 right after it, and rank 0
-passes them into the same response. The decode side therefore pulls ONE stream per request, from one
-endpoint, whatever the prefill layout: the union of all stages' chunks, in any layer order, which the
-consumer already accepts (chunks carry their layer index). Chosen over "D pulls from every stage's
-endpoint" because the router and decode workers stay layout-blind and cancellation / cleanup stays in
-one place; the cost is one extra hop (stage -> rank 0, on-host) for stages > 0. docs/PARALLEL.md.
+produces) and streams them to the decode side itself: rank 0 in the worker's Prefill stream, stages > 0
+from their own endpoints, which that stream's header announces (engine/parallel/stage_stream.py). The
+router stays layout-blind: it names one prefill endpoint; the decode side learns the rest from it.
 
 Consumer (decode, tp x pp): the handoff arrives in canonical layout (full heads, token order) into a
 CPU staging copy of the request; on insert, rank 0 cuts every rank's share (its stage's layers, its TP
@@ -17,47 +13,14 @@ heads) and sends it; every rank writes its share into the pages / slot rank 0 re
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
-from engine.kv_transfer.producer import HandoffProducer
-from engine.kv_transfer.wire import EncodedChunk
 from engine.model_config import ModelConfig
 from engine.parallel.tp import TPPlan
-
-
-class RelayProducer:
-    """A producer stage's chunks, collected during a step and sent to rank 0 after it."""
-
-    def __init__(self, cfg: ModelConfig, cache: CacheTensors, page_size: int) -> None:
-        self.producer = HandoffProducer(cfg, cache, page_size)
-        self.outbox: list[tuple[str, EncodedChunk]] = []
-        self.active: set[str] = set()
-
-    def begin(self, streams: dict[str, int]) -> None:
-        """Follow rank 0's registrations: its producer lists every request streaming right now."""
-        for rid in self.active - streams.keys():
-            self.producer.unregister(rid)
-        for rid, max_bytes in streams.items():
-            if rid not in self.active:
-                self.producer.register(rid, self._sink(rid), max_bytes)
-        self.active = set(streams)
-
-    def _sink(self, rid: str) -> Callable[[EncodedChunk], None]:
-        return lambda chunk: self.outbox.append((rid, chunk))
-
-    def take(self) -> list[tuple[str, EncodedChunk]]:
-        out, self.outbox = self.outbox, []
-        return out
-
-
-def deliver_relayed(producer: HandoffProducer, chunks: list[tuple[str, EncodedChunk]]) -> None:
-    for rid, chunk in chunks:
-        producer.deliver(rid, chunk)
 
 
 # ---- consumer side -------------------------------------------------------------------------------------

@@ -17,6 +17,24 @@ STATE_KIND_UNSPECIFIED: StateKind
 RECURRENT: StateKind
 CONV: StateKind
 
+class StagePullRequest(_message.Message):
+    __slots__ = ("request_id", "stage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    stage: int
+    def __init__(self, request_id: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class StageStream(_message.Message):
+    __slots__ = ("stage", "endpoint", "layers")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    endpoint: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stage: _Optional[int] = ..., endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt", "aux_layer_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -64,18 +82,20 @@ class AuxHidden(_message.Message):
     def __init__(self, layer_ids: _Optional[_Iterable[int]] = ..., tensor: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers")
+    __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers", "stage_streams")
     PRODUCER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KDA_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     producer_fingerprint: _common_pb2.Fingerprint
     num_prompt_tokens: int
     page_size: int
     attention_layers: _containers.RepeatedScalarFieldContainer[int]
     kda_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, producer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., attention_layers: _Optional[_Iterable[int]] = ..., kda_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    stage_streams: _containers.RepeatedCompositeFieldContainer[StageStream]
+    def __init__(self, producer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., attention_layers: _Optional[_Iterable[int]] = ..., kda_layers: _Optional[_Iterable[int]] = ..., stage_streams: _Optional[_Iterable[_Union[StageStream, _Mapping]]] = ...) -> None: ...
 
 class TensorBytes(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "total_bytes", "data", "crc32")

@@ -140,3 +140,84 @@ class Prefill(object):
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PrefillStageStub(object):
+    """One pipeline stage of a prefill worker (pp > 1): the pages and KDA state of its own layers, pulled by
+    the decode side straight from the stage that computed them, beside the worker's Prefill stream (which
+    announces these endpoints in its header). A stage stream carries kv / state parts, then `end`.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Pull = channel.unary_stream(
+                '/tandem.v1.PrefillStage/Pull',
+                request_serializer=prefill__pb2.StagePullRequest.SerializeToString,
+                response_deserializer=prefill__pb2.HandoffChunk.FromString,
+                _registered_method=True)
+
+
+class PrefillStageServicer(object):
+    """One pipeline stage of a prefill worker (pp > 1): the pages and KDA state of its own layers, pulled by
+    the decode side straight from the stage that computed them, beside the worker's Prefill stream (which
+    announces these endpoints in its header). A stage stream carries kv / state parts, then `end`.
+    """
+
+    def Pull(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillStageServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=prefill__pb2.StagePullRequest.FromString,
+                    response_serializer=prefill__pb2.HandoffChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.PrefillStage', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.PrefillStage', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillStage(object):
+    """One pipeline stage of a prefill worker (pp > 1): the pages and KDA state of its own layers, pulled by
+    the decode side straight from the stage that computed them, beside the worker's Prefill stream (which
+    announces these endpoints in its header). A stage stream carries kv / state parts, then `end`.
+    """
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.PrefillStage/Pull',
+            prefill__pb2.StagePullRequest.SerializeToString,
+            prefill__pb2.HandoffChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

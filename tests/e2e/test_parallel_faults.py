@@ -80,7 +80,8 @@ def test_a_dead_rank_fails_requests_quickly(cluster):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         asyncio.run(_generate(cluster, 60))
     assert e.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "a dead rank must fail the step, not hang it"
-    assert "engine" in e.value.details(), e.value.details()
+    # rank 0's engine fails the step, or the decode side sees the dead stage's stream break first
+    assert "engine" in e.value.details() or "prefill stage 1" in e.value.details(), e.value.details()
     assert time.monotonic() - t0 < 30
 
 

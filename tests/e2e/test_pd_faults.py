@@ -78,7 +78,7 @@ def workers(tiny_models, tmp_path_factory):
     c.stop()
 
 
-@pytest.mark.parametrize("mode,needle", [("flip", "checksum mismatch"), ("drop", "incomplete")])
+@pytest.mark.parametrize("mode,needle", [("flip", "checksum mismatch"), ("drop", "end marker says")])
 def test_damaged_handoff_is_refused_and_freed(workers, mode, needle):
     p, d = workers.worker("prefill"), workers.worker("decode", 0)
     prompt = random_prompts(1, [70], seed=21)[0]

@@ -17,12 +17,13 @@ import grpc
 import openai
 import pytest
 
+from engine.kv_transfer import wire
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.backend import GenerationRequest
 from router.pd_backend import build_decode_request
 from tandem.cluster import LocalCluster, WorkerSpec
-from tandem.rpc import decode_pb2_grpc
+from tandem.rpc import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.conftest import make_engine, random_prompts
 from tests.e2e.helpers import wait_all_free
 
@@ -104,3 +105,42 @@ def test_router_over_parallel_workers(cluster, expected):
             extra_body={"ignore_eos": True},
         )
         assert r.choices[0].text == tok.decode(w)
+
+
+def test_pipelined_prefill_streams_every_stage_directly(cluster, expected):
+    """A pp=4 prefill worker's Prefill stream carries stage 0's layers and announces stages 1-3, each of
+    which streams its own layers (then an end marker counting them) from its own endpoint."""
+    prompts, _ = expected
+    prefill = cluster.worker("prefill", 1)  # --pp 4
+    assert PREFILL_LAYOUTS[1] == ["--pp", "4"]
+
+    async def run():
+        async with grpc.aio.insecure_channel(prefill.endpoint) as ch:
+            info = await prefill_pb2_grpc.PrefillStub(ch).Info(common_pb2.WorkerInfoRequest())
+            req = prefill_pb2.PrefillRequest(request_id="stages", prompt_token_ids=prompts[2])
+            req.params.max_tokens = 1
+            req.consumer_fingerprint.CopyFrom(info.fingerprint)
+            main = [m async for m in prefill_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=60)]
+        stages = {}
+        for s in main[0].header.stage_streams:
+            async with grpc.aio.insecure_channel(s.endpoint) as ch:
+                pull = wire.stage_pull_call(ch)(prefill_pb2.StagePullRequest(request_id="stages", stage=s.stage))
+                stages[s.stage] = (set(s.layers), await _all(pull))  # parsed by wire.parse_chunk
+        return main, stages
+
+    main, stages = asyncio.run(run())
+    assert sorted(stages) == [1, 2, 3] and all(layers for layers, _ in stages.values())
+    layer_of = lambda m: m.kv.layer if m.HasField("kv") else m.state.layer
+    sent_main = {layer_of(m) for m in main if m.HasField("kv") or m.HasField("state")}
+    assert sent_main and not sent_main & set().union(*(layers for layers, _ in stages.values()))
+    for stage, (layers, msgs) in stages.items():
+        chunks = [getattr(m, "chunk", m) for m in msgs]
+        parts = [c for c in chunks if c.HasField("kv") or c.HasField("state")]
+        assert parts and {layer_of(c) for c in parts} <= layers, stage
+        assert chunks[-1].HasField("end") and chunks[-1].end.num_messages == len(parts), stage
+    ok, used, _ = wait_all_free(cluster, 5.0)
+    assert ok, used
+
+
+async def _all(call):
+    return [m async for m in call]
