@@ -35,6 +35,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--enable-prefix-caching", action="store_true", help="reuse prefixes (device cache + tier)")
     p.add_argument("--kda-checkpoint-pages", type=int, default=4, help="KDA checkpoint rung interval in pages")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture pure-decode steps as CUDA graphs per padded batch size (single-rank engines; off by default "
+        "until validated: docs/PERFORMANCE.md)",
+    )
     p.add_argument("--pcp", type=int, default=1, help="prefill context-parallel ranks (prefill workers)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, at most 8")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (decode workers)")
@@ -58,6 +64,7 @@ def engine_config_from_args(a: argparse.Namespace):
         cpu_threads=a.cpu_threads,
         enable_prefix_caching=a.enable_prefix_caching,
         kda_checkpoint_pages=a.kda_checkpoint_pages,
+        cuda_graphs=a.cuda_graphs,
         load_progress=True,
         parallel=ParallelConfig(pcp=a.pcp, pp=a.pp, tp=a.tp, pp_microbatches=a.pp_microbatches),
     )

@@ -71,6 +71,7 @@ def test_role_and_service_guards():
         (["prefill", "--tp", "2"], "unsupported prefill layout tp=2"),
         (["decode", "--pcp", "2", "--pp", "2"], "unsupported decode layout pcp=2 x pp=2"),
         (["generate", "--pp", "8"], "pp=8: 4 layers cannot fill 8 stages"),
+        (["generate", "--tp", "2", "--cuda-graphs"], "tp=2 with --cuda-graphs"),
     ],
 )
 def test_cli_refuses_at_startup(tiny_models, args, match):
