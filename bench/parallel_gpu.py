@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def run_layout(a: argparse.Namespace, layout: str, device: str, dtype: str) -> d
     except Exception as err:
         rec["error"] = f"{type(err).__name__}: {err}"[:500]
         print(f"{a.arch} {layout} FAILED: {rec['error']}", flush=True)
+        traceback.print_exc()  # where it failed (a device-side assert: run with CUDA_LAUNCH_BLOCKING=1)
     finally:
         eng.close()
     return rec
