@@ -32,7 +32,6 @@ from engine.kv_transfer.producer import HandoffProducer
 from engine.kv_transfer.wire import EncodedChunk, serialize_chunk
 from engine.model_config import ModelConfig
 from engine.parallel.plan import StepPlan
-from tandem.grpc_util import SERVER_OPTIONS
 from tandem.rpc import prefill_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -106,6 +105,8 @@ class StageProducer:
         self.server: grpc.Server | None = None
 
     def start(self, host: str) -> str:
+        from tandem.grpc_util import SERVER_OPTIONS  # the serving stack: only a prefill worker's stages need it
+
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
         handler = grpc.unary_stream_rpc_method_handler(
             self._pull, request_deserializer=pb.StagePullRequest.FromString, response_serializer=serialize_chunk

@@ -49,8 +49,9 @@ class TPShard:
 class TPPlan:
     def __init__(self, cfg: ModelConfig, tp: int, rank: int, shard_lm_head: bool) -> None:
         self.cfg, self.tp, self.rank = cfg, tp, rank
-        # a tied head shares the (replicated) embedding's tensor
-        self.shard_lm_head = shard_lm_head and cfg.vocab_size % tp == 0 and not cfg.tie_word_embeddings
+        # a tied head shares the (replicated) embedding's tensor; without TP there is nothing to shard (the
+        # stage's inner group may still have ranks: PCP's, whose logits must not be gathered as vocab shards)
+        self.shard_lm_head = tp > 1 and shard_lm_head and cfg.vocab_size % tp == 0 and not cfg.tie_word_embeddings
         nkv = cfg.num_key_value_heads
         self.kv_heads = max(nkv // tp, 1)
         self.kv_start = rank * nkv // tp  # replicated KV heads: ranks of one GQA group share the head

@@ -16,9 +16,16 @@ KW = dict(max_num_seqs=8, max_num_batched_tokens=256)
 LAYOUTS = [(m, ParallelConfig(pcp=n)) for n in (2, 3, 4, 8) for m in ("kimi_linear", "qwen3")]
 LAYOUTS += [(m, ParallelConfig(pcp=2, pp=2)) for m in ("kimi_linear", "qwen3")]
 LAYOUTS += [("kimi_linear", ParallelConfig(pcp=4, pp=2))]
+# the LM-head setting GPU engines default to (vocab-sharded under TP): under PCP alone it must not gather the
+# PCP ranks' logits as vocab shards (that doubled the vocabulary on the H200: sampled ids past the embedding)
+LAYOUTS += [("qwen3", ParallelConfig(pcp=2, tp_shard_lm_head=True))]
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"{m}-{p.describe()}" for m, p in LAYOUTS])
+def _layout_id(m: str, p: ParallelConfig) -> str:
+    return f"{m}-{p.describe()}" + ("-shard-lm-head" if p.tp_shard_lm_head else "")
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[_layout_id(m, p) for m, p in LAYOUTS])
 def pcp_engine(request, models):
     name, parallel = request.param
     eng = helpers.engine(models[name], parallel, **KW)

@@ -203,3 +203,12 @@ def test_kda_segments_scanned_equal_the_whole_recurrence(cuts):
     o = torch.cat([apply_initial_state(p[0], p[1], starts[i]) for i, p in enumerate(parts)])
     torch.testing.assert_close(o, o_ref[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(starts[-1], s_ref[0], rtol=0, atol=1e-5)
+
+
+def test_lm_head_is_sharded_only_under_tp(tiny_models):
+    """shard_lm_head is on by default on CUDA; with tp=1 (PCP or PP alone) there is nothing to shard."""
+    from engine.parallel.tp import TPPlan
+
+    qwen = load_model_config(tiny_models["qwen3"])
+    assert not TPPlan(qwen, 1, 0, shard_lm_head=True).shard_lm_head
+    assert TPPlan(qwen, 2, 0, shard_lm_head=True).shard_lm_head
