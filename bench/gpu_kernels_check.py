@@ -238,12 +238,12 @@ def section_attention(rep: Report, quick: bool) -> None:
         out = fn()
         ref = paged_mla_attention(q.float(), lat.float(), qsl, ctx, tables, kv_b.float(), rank, nope, vd, scale)
         ms = timed(fn)
-        absorbed = thr is None or max(q_lens) < thr
-        flops = (
-            attention_flops(q_lens, ctx, h, rank + rope, rank)
-            if absorbed
-            else attention_flops(q_lens, ctx, h, nope + rope, vd) + 2.0 * sum(ctx) * rank * h * (nope + vd)
-        )
+        flops = 0.0  # per sequence: run_mla absorbs below the threshold and expands the latent above it
+        for ql, c in zip(q_lens, ctx, strict=True):
+            if thr is None or ql < thr:
+                flops += attention_flops([ql], [c], h, rank + rope, rank)
+            else:
+                flops += attention_flops([ql], [c], h, nope + rope, vd) + 2.0 * c * rank * h * (nope + vd)
         rep.check(
             f"mla p{page_size} {label}",
             ref,
