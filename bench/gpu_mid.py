@@ -137,13 +137,25 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
     for ctx in a.ctx:
         for b in a.batches:
             row: dict[str, Any] = {"ctx": ctx, "batch": b}
-            toks = {}
+            toks, first = {}, {}
             for mode in ("eager", "graph"):
                 graphs.enabled = mode == "graph"
                 rids = tandem_bench.fill_decode_batch(eng, ctx, b)
-                t, toks[mode] = tandem_bench.decode_steps(eng, a.decode_steps)
+                with tandem_bench.first_logits(eng) as seen:  # the first decode step, from the same state
+                    t, toks[mode] = tandem_bench.decode_steps(eng, a.decode_steps)
+                first[mode] = seen[0]
                 row[f"{mode}_ms"] = t * 1e3
                 tandem_bench.clear(eng, rids)
+            # tokens can part on a near-tie (bf16 sums in another order); the first step's logits say whether
+            # the two paths compute the same function: their gap against the top-1/top-2 margin
+            diff = (first["eager"] - first["graph"]).abs().max().item()
+            top2 = first["eager"].topk(2, dim=-1).values
+            row["first_step_logits"] = {
+                "max_abs_diff": diff,
+                "max_abs_logit": first["eager"].abs().max().item(),
+                "min_top2_gap": (top2[:, 0] - top2[:, 1]).min().item(),
+                "argmax_equal": (first["eager"].argmax(-1) == first["graph"].argmax(-1)).float().mean().item(),
+            }
             pairs = [
                 (x, y) for s, r in zip(toks["eager"], toks["graph"], strict=True) for x, y in zip(s, r, strict=True)
             ]

@@ -27,6 +27,14 @@ def _hf_cell(hf: dict[str, Any] | None, key: str, fmt: str, scale: float = 1.0) 
     return _f(hf.get(key), fmt, scale)
 
 
+def _first_step(f: dict[str, float] | None) -> list[str]:
+    """Eager vs graph logits of the first decode step (older result files lack them)."""
+    if not f:
+        return ["-", "-", "-"]
+    diff = f"{f['max_abs_diff']:.3g} (of {f['max_abs_logit']:.3g})"
+    return [diff, f"{f['min_top2_gap']:.3g}", _f(f["argmax_equal"], ".1%")]
+
+
 def render(res: dict[str, Any]) -> str:
     parts = [f"## Mid-shape benchmark ({res['device']}, {res['model']})"]
     c = res["ceilings"]
@@ -115,10 +123,13 @@ def render(res: dict[str, Any]) -> str:
                 _f(r["graph_ms"]),
                 _f(r["eager_ms"] / r["graph_ms"] if r.get("graph_ms") else None),
                 _f(r["token_agreement"], ".1%"),
+                *_first_step(r.get("first_step_logits")),
             ]
             for r in g
         ]
-        parts.append(_table(["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal"], rows))
+        head = ["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal"]
+        head += ["step-1 max logit diff", "step-1 min top-2 gap", "step-1 argmax equal"]
+        parts.append(_table(head, rows))
     for note in res.get("notes", []):
         parts.append(f"- {note}")
     return "\n\n".join(parts)

@@ -8,9 +8,10 @@ cost does not depend on the values; the copy keeps routing and attention inputs 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +69,24 @@ def fill_decode_batch(eng: LLMEngine, ctx: int, batch: int, seed: int = 7) -> li
         eng.insert_prefilled(res, ids, params, src.output_token_ids[0], None)
         rids.append(res.request_id)
     return rids
+
+
+@contextlib.contextmanager
+def first_logits(eng: LLMEngine) -> Iterator[list[torch.Tensor]]:
+    """Collects (on the host, fp32) the logits the sampler sees on the first step inside the block."""
+    seen: list[torch.Tensor] = []
+    sample = eng.sampler.sample
+
+    def recording(logits: torch.Tensor, requests: list) -> list:
+        if not seen:
+            seen.append(logits.float().cpu().clone())
+        return sample(logits, requests)
+
+    eng.sampler.sample = recording
+    try:
+        yield seen
+    finally:
+        eng.sampler.sample = sample
 
 
 def clear(eng: LLMEngine, rids: list[str]) -> None:
