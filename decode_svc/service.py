@@ -79,15 +79,16 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         d = self.engine.drafter
         return tuple(d.aux_layer_ids) if d is not None and d.needs_aux else ()
 
-    def _prefill_call(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
             self._channels[endpoint] = channel(endpoint)
-        return prefill_call(self._channels[endpoint])
+        return self._channels[endpoint]
+
+    def _prefill_call(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
+        return prefill_call(self._channel(endpoint))
 
     def _stage_call(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
-        if endpoint not in self._channels:
-            self._channels[endpoint] = channel(endpoint)
-        return stage_pull_call(self._channels[endpoint])
+        return stage_pull_call(self._channel(endpoint))
 
     async def _reserve(self, rid: str, n: int, context: grpc.aio.ServicerContext) -> ImportReservation:
         deadline = time.monotonic() + self.config.reserve_timeout_s

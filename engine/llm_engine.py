@@ -402,8 +402,10 @@ class LLMEngine:
                 aux_rows[req.request_id] = row
             row += 1 + len(c.drafts)
         if plain:
-            rows_t = torch.tensor([r for _, r in plain], device=logits.device)
-            drawn = self.sampler.sample(logits[rows_t], [req for req, _ in plain])
+            rows = [r for _, r in plain]
+            if rows != list(range(logits.shape[0])):  # drafts' rows in between: pick the plain ones
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            drawn = self.sampler.sample(logits, [req for req, _ in plain])
             for (req, _), (token, lp) in zip(plain, drawn, strict=True):
                 sampled[req.request_id] = SampleResult([token], [lp] if lp is not None else [])
         return sampled, aux_rows

@@ -42,16 +42,9 @@ class HandoffProducer:
                 del self._next_page[key]
 
     def streams(self) -> dict[str, int]:
-        """Registered requests -> their max message bytes (other pipeline stages produce for them too)."""
+        """Registered requests -> their max message bytes (other pipeline stages stream theirs too)."""
         with self._lock:
             return {rid: max_bytes for rid, (_, max_bytes) in self._sinks.items()}
-
-    def deliver(self, request_id: str, chunk: EncodedChunk) -> None:
-        """Pass on a chunk another pipeline stage produced for a registered request."""
-        with self._lock:
-            entry = self._sinks.get(request_id)
-        if entry is not None:
-            entry[0](chunk)
 
     def on_layer(self, layer: int, batch: ForwardBatch) -> None:
         kda = self.cfg.layer_kinds[layer] == "kda"

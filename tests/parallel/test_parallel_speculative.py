@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from engine.spec.aux_tap import make_tiny_drafter
 from tests.conftest import make_engine, random_prompts
 from tests.parallel import helpers
+from tests.test_speculative import OracleDrafter
 
 MAX = 24
 KW = dict(max_num_batched_tokens=64, max_num_seqs=8)
@@ -69,19 +70,6 @@ def test_speculative_greedy_is_lossless(models, drafters, arch, layout, method):
         assert eng.pages.num_used == 0 and (eng.slots is None or eng.slots.num_used == 0)
     finally:
         eng.close()
-
-
-class OracleDrafter:
-    """Proposes the target's own greedy continuation: full acceptance by construction."""
-
-    needs_aux = False
-
-    def __init__(self, prompts, outputs):
-        self.ref = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-
-    def propose(self, req, k: int, aux=None) -> list[int]:
-        n = len(req.output_token_ids)
-        return list(self.ref[tuple(req.prompt_token_ids)][n : n + k])
 
 
 def test_oracle_drafter_full_acceptance_under_pp(models):
