@@ -34,6 +34,7 @@ from bench.parallel import _prompts, decode_step_ms, prefill_seconds
 from engine.config import EngineConfig
 from engine.parallel import create_engine
 from engine.parallel.config import ParallelConfig
+from engine.sampling_params import SamplingParams
 
 LAYOUTS = {
     "single": ParallelConfig(),
@@ -41,6 +42,7 @@ LAYOUTS = {
     "pp2": ParallelConfig(pp=2),
     "tp2": ParallelConfig(tp=2),
 }
+AGREE_TOKENS = 8  # greedy tokens after each PCP prompt, compared with one GPU's (bf16: a near-tie may flip)
 WORKLOADS = {"single": ("pcp", "pp", "tp"), "pcp2": ("pcp",), "pp2": ("pp",), "tp2": ("tp",)}
 
 
@@ -83,7 +85,9 @@ def run_layout(a: argparse.Namespace, layout: str, device: str, dtype: str) -> d
             rec["pcp"] = {}
             for n in a.pcp_lens:
                 s = prefill_seconds(eng, _prompts(1, n, vocab, n), a.repeat)
-                rec["pcp"][str(n)] = {"seconds": s, "tokens_per_s": n / s}
+                greedy = SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True)
+                tokens = eng.generate(_prompts(1, n, vocab, n), greedy)[0].output_token_ids
+                rec["pcp"][str(n)] = {"seconds": s, "tokens_per_s": n / s, "tokens": list(tokens)}
                 print(f"{a.arch} {layout} prefill {n}: {s * 1e3:.1f} ms", flush=True)
         if "pp" in work:
             s = prefill_seconds(eng, _prompts(a.pp_batch, a.pp_len, vocab, 2), a.repeat)
@@ -116,6 +120,10 @@ def report(records: list[dict[str, Any]]) -> str:
         for n, v in r.get("pcp", {}).items():
             ref = b.get("pcp", {}).get(n)
             sp = _speedup(v["seconds"], ref["seconds"], True) if ref else "-"
+            if ref and "tokens" in v and "tokens" in ref and r["layout"] != "single":
+                pairs = enumerate(zip(v["tokens"], ref["tokens"], strict=True))
+                same = next((i for i, (x, y) in pairs if x != y), len(v["tokens"]))
+                sp += f" (greedy: first {same} of {len(v['tokens'])} tokens as one GPU)"
             lines.append(f"| {r['arch']} | prefill {n} tokens | {r['layout']} | {v['seconds'] * 1e3:,.0f} ms | {sp} |")
         if "pp" in r:
             v, ref = r["pp"], b.get("pp")

@@ -122,6 +122,15 @@ class ParallelGroups:
         gather(out, x.contiguous(), group=self.inner)
         return out.view(self.inner_size, *x.shape)
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows of x, send_counts[r] of them to inner rank r in order -> the rows every rank sent here,
+        recv_counts[r] from rank r, in inner-rank order."""
+        if self.inner_size == 1:
+            return x
+        out = x.new_empty(sum(recv_counts), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=self.inner)
+        return out
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.inner_size > 1:
             dist.all_reduce(x, group=self.inner)

@@ -8,10 +8,11 @@ Row-wise work (projections, MLPs, MoE: each rank runs its own rows) needs nothin
   writes all of them, so each rank's page cache is complete and its query rows see the whole causal
   prefix, earlier chunks and prefix-cache hits included. The latent is gathered, not the expanded K/V:
   kv_lora_rank + rope values a token instead of heads x (nope + rope + v).
-- KDA: the recurrence runs along the sequence. Each rank projects its own rows; the recurrence inputs
-  are gathered and every rank runs short conv + recurrence over all rows (redundantly, bit-identically),
-  keeps its own rows of the output and a full copy of the state. See docs/PARALLEL.md for why this and
-  not a cross-rank state scan.
+  With the reference backend each rank attends its rows per sequence (``attention_at``); with the
+  Triton backend one launch covers the batch, the kernel told each sequence's first local query position
+  and the stride pcp (``local_queries``).
+- KDA: the recurrence runs along the sequence: engine/parallel/pcp_kda.py (a state scan over contiguous
+  segments, docs/PARALLEL.md).
 
 Padding rows: input id 0 at position 0; they are in no sequence, so they read no key, their KV and KDA
 inputs are dropped by the gather (only rows < T are kept) and their outputs are never selected.
@@ -24,13 +25,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from engine.backends.base import AttentionBackend, KDABackend, MLADims
+from engine.backends.base import AttentionBackend, MLADims
+from engine.backends.torch_ref import TorchAttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.parallel.groups import ParallelGroups
-from engine.parallel.kda_scan import apply_initial_state, scan_states, segment_kda
 from kernels.paged_attention.naive import gather_pages
-
-SCAN_CHUNK = 64  # KDA's chunk: segments start on chunk boundaries, so no rank pads a chunk it shares
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 """(query rows, their positions, sequence index, context length) -> attention output rows."""
@@ -92,9 +91,111 @@ def attention_at(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+@dataclass(frozen=True)
+class LocalQueries:
+    """This rank's query rows of a batch, per sequence: rows qsl[i]:qsl[i+1] (local) at positions
+    pos0[i], pos0[i] + pcp, ... — the strided-position form of the Triton kernel's metadata."""
+
+    qsl: list[int]
+    pos0: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return self.qsl[-1]  # local rows after these are padding
+
+
+def local_queries(full: ForwardBatch, rows: PCPRows) -> LocalQueries:
+    size, r = rows.size, rows.rank
+    qsl, pos0 = [0], []
+    for i, ctx in enumerate(full.context_lens):
+        s, e = full.query_start_loc[i], full.query_start_loc[i + 1]
+        first = (s - r + size - 1) // size  # first local row of the sequence: global row first * size + r >= s
+        qsl.append((e - r + size - 1) // size)
+        pos0.append(ctx - (e - s) + first * size + r - s)
+    return LocalQueries(qsl, pos0)
+
+
 class PCPAttentionBackend(AttentionBackend):
+    """The reference backend's attention per sequence at the rows' positions (``attention_at``); a fast
+    (Triton) backend's kernel with strided query positions, one launch for the whole batch."""
+
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
+        self.fast = not isinstance(inner, TorchAttentionBackend)
+        self._step: tuple[ForwardBatch, dict] | None = None
+
+    def _per_step(self, batch: PCPForwardBatch, key: str, build: Callable[[], object]) -> object:
+        if self._step is None or self._step[0] is not batch:  # built once per step, shared by every layer
+            self._step = (batch, {})
+        if key not in self._step[1]:
+            self._step[1][key] = build()
+        return self._step[1][key]
+
+    def _fast_gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: PCPForwardBatch, scale: float) -> torch.Tensor:
+        from kernels.paged_attention.triton import attention_fwd, plan_gqa
+
+        full, rows = batch.full, batch.rows
+        group, d = q.shape[1] // cache.shape[3], q.shape[-1]
+        lq = local_queries(full, rows)
+        meta = self._per_step(
+            batch,
+            "gqa",
+            lambda: plan_gqa(
+                lq.qsl,
+                full.context_lens,
+                self.inner._tables(full, q.device),
+                group,
+                q.device,
+                d,
+                q_pos0=lq.pos0,
+                pos_stride=rows.size,
+            ),
+        )
+        out, n = q.new_zeros(q.shape[0], q.shape[1], d), lq.num_rows
+        attention_fwd(q[:n].contiguous(), cache[:, :, 0], cache[:, :, 1], meta, scale, out=out[:n])
+        return out
+
+    def _fast_mla(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        batch: PCPForwardBatch,
+        kv_b_weight: torch.Tensor,
+        dims: MLADims,
+        scale: float,
+    ) -> torch.Tensor:
+        from kernels.paged_attention.triton import plan_mla, run_mla
+
+        full, rows = batch.full, batch.rows
+        lq = local_queries(full, rows)
+        parts = self._per_step(
+            batch,
+            "mla",
+            lambda: plan_mla(
+                lq.qsl,
+                full.context_lens,
+                self.inner._tables(full, q.device),
+                q.shape[1],
+                cache.shape[1],
+                dims.kv_lora_rank,
+                q.device,
+                self.inner.mla_expand_min_q_len,
+                q_pos0=lq.pos0,
+                pos_stride=rows.size,
+            ),
+        )
+        out = q.new_zeros(q.shape[0], q.shape[1], dims.v_head_dim)
+        out[: lq.num_rows] = run_mla(
+            q[: lq.num_rows].contiguous(),
+            cache,
+            parts,
+            kv_b_weight,
+            dims.kv_lora_rank,
+            dims.qk_nope_head_dim,
+            dims.v_head_dim,
+            scale,
+        )
+        return out
 
     def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
         assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
@@ -113,6 +214,9 @@ class PCPAttentionBackend(AttentionBackend):
         return out
 
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        if self.fast:
+            assert isinstance(batch, PCPForwardBatch)
+            return self._fast_gqa(q, cache, batch, scale)
         n_rep = q.shape[1] // cache.shape[3]
 
         def attend(qs: torch.Tensor, pos: torch.Tensor, i: int, ctx: int) -> torch.Tensor:
@@ -131,6 +235,9 @@ class PCPAttentionBackend(AttentionBackend):
         dims: MLADims,
         scale: float,
     ) -> torch.Tensor:
+        if self.fast:
+            assert isinstance(batch, PCPForwardBatch)
+            return self._fast_mla(q, cache, batch, kv_b_weight, dims, scale)
         h = q.shape[1]
 
         def attend(qs: torch.Tensor, pos: torch.Tensor, i: int, ctx: int) -> torch.Tensor:
@@ -142,87 +249,3 @@ class PCPAttentionBackend(AttentionBackend):
             return attention_at(qs, k, v, pos, scale)
 
         return self._per_seq(q, batch, attend, dims.v_head_dim)
-
-
-class PCPKDABackend(KDABackend):
-    """Gather the recurrence inputs, run conv + recurrence over all rows, keep this rank's rows."""
-
-    def __init__(self, inner: KDABackend) -> None:
-        self.inner = inner
-
-    def short_conv(
-        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
-        out = self.inner.short_conv(batch.rows.gather(x), conv_cache, weight, batch.full)
-        own = batch.rows.own(out)
-        batch.stash["conv_out"], batch.stash["conv_own"] = out, own  # q|k|v of every row, for the recurrence
-        return own
-
-    def recurrence(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state_cache: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
-        rows, t, h = batch.rows, batch.full.num_tokens, q.shape[1]
-        conv, own = batch.stash.pop("conv_out", None), batch.stash.pop("conv_own", None)
-        # Reuse the gathered conv output when q, k, v are views of what short_conv returned (the KDA layer
-        # splits it). A structural test, the same on every rank: a data-dependent one could send one rank
-        # into the fallback gather alone, and the collectives would no longer pair up.
-        if own is None or any(z.untyped_storage().data_ptr() != own.untyped_storage().data_ptr() for z in (q, k, v)):
-            conv = rows.gather(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1))
-        qg, kg, vg = (z.reshape(t, h, -1) for z in conv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1))
-        # g is fp32 and beta the activation dtype; fp32 carries both exactly, in one gather
-        gb = rows.gather(torch.cat([g.flatten(1), beta.float()], dim=-1))
-        gg, bg = gb[:, : g[0].numel()].reshape(t, *g.shape[1:]), gb[:, g[0].numel() :].to(beta.dtype)
-        full = batch.full
-        if full.is_decode_only or any(full.checkpoints):
-            # one token a sequence: nothing to split; rungs: their states come from the plain recurrence
-            return rows.own(self.inner.recurrence(qg, kg, vg, gg, bg, state_cache, full))
-        return rows.own(self._scan(qg, kg, vg, gg, bg, state_cache, full, rows))
-
-    @staticmethod
-    def _scan(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state_cache: torch.Tensor,
-        full: ForwardBatch,
-        rows: PCPRows,
-    ) -> torch.Tensor:
-        """Each rank runs its contiguous, chunk-aligned segment of every sequence from a zero state; the
-        segments' (M, N) are all-gathered and scanned identically on every rank (engine/parallel/kda_scan.py)."""
-        size, me = rows.size, rows.rank
-        h, kd, vd = k.shape[1], k.shape[2], v.shape[2]
-        eye = torch.eye(kd, device=q.device).expand(h, kd, kd)
-        trans_final = q.new_zeros(full.num_seqs, h, kd, kd + vd, dtype=torch.float32)
-        mine = []
-        for i in range(full.num_seqs):
-            s, e = full.query_start_loc[i], full.query_start_loc[i + 1]
-            seg = -(-(e - s) // size)
-            seg = -(-seg // SCAN_CHUNK) * SCAN_CHUNK
-            lo, hi = min(s + me * seg, e), min(s + (me + 1) * seg, e)
-            trans_final[i, ..., :kd] = eye  # an empty segment passes the state on unchanged
-            if lo < hi:
-                o0, p, trans, final0 = segment_kda(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])
-                trans_final[i] = torch.cat([trans, final0], dim=-1)
-                mine.append((i, lo, hi, o0, p))
-        every = rows.groups.all_gather(trans_final)  # [pcp, seqs, H, K, K + V]
-        starts = []
-        for i, slot in enumerate(full.state_slots):
-            init = state_cache[slot] if full.has_initial_state[i] else state_cache.new_zeros(h, kd, vd)
-            states = scan_states(init.float(), every[:, i, ..., :kd], every[:, i, ..., kd:])
-            state_cache[slot] = states[-1]
-            starts.append(states[me])
-        out = q.new_zeros(q.shape[0], h, vd, dtype=torch.float32)
-        for i, lo, hi, o0, p in mine:
-            out[lo:hi] = apply_initial_state(o0, p, starts[i])
-        return rows.groups.all_reduce(out)  # every row was computed on one rank (zeros elsewhere): exact

@@ -25,7 +25,8 @@ from engine.models.base import CausalLM
 from engine.models.layers import RotaryEmbedding
 from engine.models.registry import build_model
 from engine.parallel.groups import ParallelGroups
-from engine.parallel.pcp import PCPAttentionBackend, PCPKDABackend
+from engine.parallel.pcp import PCPAttentionBackend
+from engine.parallel.pcp_kda import PCPKDABackend
 from engine.parallel.tp import TPPlan
 
 logger = logging.getLogger(__name__)

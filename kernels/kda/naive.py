@@ -113,3 +113,33 @@ def naive_chunk_kda(
         state = state * g_i[:, :, -1].exp()[..., None] + (k_i * (g_i[:, :, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
     o = o.reshape(b, h, n * chunk_size, vd)[:, :, :t].transpose(1, 2).contiguous()
     return o, state
+
+
+def naive_chunk_kda_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens,
+    return_intermediate_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``naive_chunk_kda`` with the signature and chunk-boundary-state convention of
+    ``kernels.kda.fla_adapter.chunk_kda_varlen`` (packed [T, H, *] inputs, N sequences by ``cu_seqlens``).
+    Returns o [T, H, V] fp32, final [N, H, K, V] fp32, and the state entering every 64-token chunk or None."""
+    outs, finals, states = [], [], []
+    bounds = [int(x) for x in cu_seqlens]
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        s = initial_state[i : i + 1]
+        pieces = range(a, b, 64) if return_intermediate_states else [a]
+        for c0 in pieces:
+            c1 = min(c0 + 64, b) if return_intermediate_states else b
+            states.append(s[0])
+            o, s = naive_chunk_kda(*(x[None, c0:c1] for x in (q, k, v, g, beta)), s)
+            outs.append(o[0])
+        finals.append(s[0])
+    h = torch.stack(states) if return_intermediate_states else None
+    o = torch.cat(outs) if outs else v.new_zeros(0, *v.shape[1:], dtype=torch.float32)
+    return o, torch.stack(finals), h

@@ -17,28 +17,14 @@ from engine.backends.gpu import GPUAttentionBackend, GPUKDABackend, GPUMoEBacken
 from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
 from engine.forward_batch import ForwardBatch
 from engine.sampling_params import SamplingParams
-from kernels.kda.naive import kda_gate, naive_chunk_kda
+from kernels.kda.naive import kda_gate, naive_chunk_kda_varlen
 from tests.conftest import make_engine, random_prompts
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
 
 pytestmark = pytest.mark.usefixtures("fla_unblocked")
 
 
-def reference_chunk_fn(q, k, v, g, beta, initial_state, cu_seqlens, return_intermediate_states=False):
-    """kernels/kda/naive.py with chunk_kda_varlen's signature and chunk-boundary-state convention."""
-    outs, finals, states = [], [], []
-    for i in range(len(cu_seqlens) - 1):
-        a, b = cu_seqlens[i], cu_seqlens[i + 1]
-        s = initial_state[i : i + 1]
-        pieces = range(a, b, 64) if return_intermediate_states else [a]
-        for c0 in pieces:
-            c1 = min(c0 + 64, b) if return_intermediate_states else b
-            states.append(s[0])
-            o, s = naive_chunk_kda(*(x[None, c0:c1] for x in (q, k, v, g, beta)), s)
-            outs.append(o[0])
-        finals.append(s[0])
-    h = torch.stack(states) if return_intermediate_states else None
-    return torch.cat(outs), torch.stack(finals), h
+reference_chunk_fn = naive_chunk_kda_varlen  # chunk_kda_varlen's contract on the CPU
 
 
 def gpu_backends() -> Backends:

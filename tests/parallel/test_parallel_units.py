@@ -14,13 +14,13 @@ from decode_svc.config import DecodeConfig
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.model_config import load_model_config
 from engine.parallel.config import ParallelConfig, ParallelLayoutError
-from engine.parallel.kda_scan import apply_initial_state, scan_states, segment_kda
+from engine.parallel.kda_scan import SCAN_CHUNK, apply_initial_state, linear_segments, scan_states, segment_bounds
 from engine.parallel.plan import split_batch
 from engine.parallel.tp import TPPlan, TPShard
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
-from kernels.kda.naive import naive_recurrent_kda
+from kernels.kda.naive import naive_chunk_kda_varlen, naive_recurrent_kda
 from prefill_svc.config import PrefillConfig
 from tests.conftest import make_engine, random_prompts
 
@@ -189,20 +189,44 @@ def test_tp_shards_of_parameters(tiny_models):
 # ---- the KDA state scan (PCP) ------------------------------------------------------------------------------
 @pytest.mark.parametrize("cuts", [[0, 150], [0, 64, 150], [0, 64, 64, 128, 150], [0, 37, 100, 101, 150]])
 def test_kda_segments_scanned_equal_the_whole_recurrence(cuts):
-    """Segments run from a zero state, joined by the scan, equal one run with the initial state: outputs
-    and final state (empty and single-token segments included)."""
+    """The first segment from the initial state, the others from a zero state with their linear parts (the
+    widened chunk pass), joined by the scan, equal one run: outputs and final state (empty and single-token
+    segments included)."""
     gen = torch.Generator().manual_seed(5)
     t, h, k = 150, 2, 16
     q, kk, v = (torch.randn(t, h, k, generator=gen) for _ in range(3))
+    v = torch.cat([v, torch.randn(t, h, 8, generator=gen)], dim=-1)  # V != K
     g = -torch.rand(t, h, k, generator=gen) * 0.3
     beta = torch.rand(t, h, generator=gen)
-    init = torch.randn(h, k, k, generator=gen) * 0.5
+    init = torch.randn(h, k, 24, generator=gen) * 0.5
     o_ref, s_ref = naive_recurrent_kda(q[None], kk[None], v[None], g[None], beta[None], init[None])
-    parts = [segment_kda(q[a:b], kk[a:b], v[a:b], g[a:b], beta[a:b]) for a, b in itertools.pairwise(cuts)]
-    starts = scan_states(init, torch.stack([p[2] for p in parts]), torch.stack([p[3] for p in parts]))
-    o = torch.cat([apply_initial_state(p[0], p[1], starts[i]) for i, p in enumerate(parts)])
+    a, b = cuts[0], cuts[1]
+    o_first, f_first, _ = naive_chunk_kda_varlen(q[a:b], kk[a:b], v[a:b], g[a:b], beta[a:b], init[None], [0, b - a])
+    trans, final0, outs = [torch.zeros(h, k, k)], [f_first[0]], []
+    for a, b in itertools.pairwise(cuts[1:]):
+        parts = linear_segments(naive_chunk_kda_varlen, q[a:b], kk[a:b], v[a:b], g[a:b], beta[a:b], [0, b - a])
+        outs.append(parts[:2])
+        trans.append(parts[2][0])
+        final0.append(parts[3][0])
+    starts = scan_states(init, torch.stack(trans), torch.stack(final0))
+    o = torch.cat([o_first] + [apply_initial_state(o0, p, starts[i + 1]) for i, (o0, p) in enumerate(outs)])
     torch.testing.assert_close(o, o_ref[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(starts[-1], s_ref[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 64, 65, 200, 1000, 4096])
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_segment_bounds_cover_the_chunk_on_chunk_boundaries(length, size):
+    bounds = segment_bounds(length, size)
+    assert len(bounds) == size and bounds[0][0] == 0 and bounds[-1][1] == length
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert all(lo % SCAN_CHUNK == 0 or lo == length for lo, _ in bounds)
+    if (
+        length > SCAN_CHUNK
+    ):  # the first rank takes the larger share (it runs the narrower pass), up to a chunk of rounding
+        assert bounds[0][1] - bounds[0][0] + SCAN_CHUNK >= max(hi - lo for lo, hi in bounds[1:])
+    else:
+        assert bounds[0] == (0, length)
 
 
 def test_lm_head_is_sharded_only_under_tp(tiny_models):
@@ -212,3 +236,23 @@ def test_lm_head_is_sharded_only_under_tp(tiny_models):
     qwen = load_model_config(tiny_models["qwen3"])
     assert not TPPlan(qwen, 1, 0, shard_lm_head=True).shard_lm_head
     assert TPPlan(qwen, 2, 0, shard_lm_head=True).shard_lm_head
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_local_queries_are_the_rows_and_positions_each_rank_holds(size):
+    """The strided-position metadata of the fast PCP attention equals the per-row reference (seq_rows)."""
+    from types import SimpleNamespace
+
+    from engine.parallel.pcp import PCPRows, local_queries
+
+    q_lens, ctx = [5, 1, 17, 8, 2, 64], [5, 40, 30, 8, 2, 100]
+    qsl = [0, *itertools.accumulate(q_lens)]
+    full = SimpleNamespace(query_start_loc=qsl, context_lens=ctx)
+    for rank in range(size):
+        rows = PCPRows(SimpleNamespace(inner_size=size, inner_rank=rank, device=torch.device("cpu")), qsl[-1])
+        lq = local_queries(full, rows)
+        assert lq.num_rows == int((rows.index < qsl[-1]).sum())
+        for i in range(len(q_lens)):
+            local, pos = rows.seq_rows(qsl[i], qsl[i + 1], ctx[i])
+            assert local.tolist() == list(range(lq.qsl[i], lq.qsl[i + 1]))
+            assert pos.tolist() == [lq.pos0[i] + j * size for j in range(local.numel())]
