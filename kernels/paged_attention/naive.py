@@ -31,9 +31,17 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]; queries are positions Tk-Tq .. Tk-1. fp32 softmax."""
     tq, tk = q.shape[0], k.shape[0]
+    return attention_at_positions(q, k, v, torch.arange(tk - tq, tk, device=q.device), scale)
+
+
+def attention_at_positions(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Like ``causal_attention`` with explicit query positions q_pos [Tq] (e.g. a PCP rank's strided share
+    of a chunk): query t sees keys 0 .. q_pos[t] of the whole context k / v. fp32 softmax."""
+    tk = k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(tk - tq, tk, device=q.device)[:, None]
-    mask = torch.arange(tk, device=q.device)[None, :] > q_pos
+    mask = torch.arange(tk, device=q.device)[None, :] > q_pos.to(q.device)[:, None]
     scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)

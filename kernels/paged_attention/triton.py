@@ -4,6 +4,9 @@ Contract: kernels/paged_attention/naive.py. Sequence ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]``; they are its last ``q_len`` positions
 ``context_lens[i] - q_len .. context_lens[i] - 1`` and attend causally to every cached token at or before
 their position. Token ``t`` of a sequence lives at page ``block_table[t // page_size]``, row ``t % page_size``.
+Strided query positions (prefill context parallelism, PCP): with ``q_pos0`` / ``pos_stride`` (``build_attn_meta``,
+``plan_gqa``, ``plan_mla``) query token ``j`` of sequence ``i`` is at ``q_pos0[i] + j * pos_stride`` instead, while
+the keys still cover the whole context ``0 .. context_lens[i] - 1`` (a rank holding every ``pos_stride``-th token).
 
 The kernel works on "rows" = (query token, query head of one KV-head group) pairs, so a GQA group (or the
 32 heads of MLA's single latent "KV head") shares every K/V tile it loads:
@@ -60,6 +63,7 @@ def _paged_attn_fwd_kernel(
     QSL,
     CTX,
     KVS,
+    QP0,
     WORK,
     qk_scale,  # softmax scale * log2(e)
     stride_qa_t,
@@ -82,6 +86,7 @@ def _paged_attn_fwd_kernel(
     stride_l_t,
     stride_bt,
     split_len,
+    pos_stride,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DA: tl.constexpr,
@@ -95,6 +100,7 @@ def _paged_attn_fwd_kernel(
     HAS_KB: tl.constexpr,
     V_IS_KA: tl.constexpr,
     CONTIG_KV: tl.constexpr,
+    HAS_QPOS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
@@ -113,8 +119,14 @@ def _paged_attn_fwd_kernel(
     m_m = o_m < n_rows
     o_tok = o_m // GROUP
     o_hq = i_kvh * GROUP + (o_m % GROUP)
-    b_pos = ctx - q_len + o_tok  # [BLOCK_M] position of each row's query token
-    kv_end = ctx - q_len + (tl.minimum(row0 + BLOCK_M, n_rows) - 1) // GROUP + 1
+    last_tok = (tl.minimum(row0 + BLOCK_M, n_rows) - 1) // GROUP  # last valid row's token in this block
+    if HAS_QPOS:  # strided positions (PCP): token j at qpos0 + j * pos_stride
+        qpos0 = tl.load(QP0 + i_n)
+        b_pos = qpos0 + o_tok * pos_stride  # [BLOCK_M] position of each row's query token
+        kv_end = qpos0 + last_tok * pos_stride + 1
+    else:  # the last q_len positions
+        b_pos = ctx - q_len + o_tok  # [BLOCK_M] position of each row's query token
+        kv_end = ctx - q_len + last_tok + 1
     lo = i_s * split_len
     hi = tl.minimum(lo + split_len, kv_end)
 
@@ -236,7 +248,9 @@ class AttnMeta:
 
     qsl [n+1]: row starts of each sequence in this launch's q / out tensors (compacted);
     ctx [n]: context length after this step; block_tables [n, P] (paged) or kv_start [n] (contiguous K/V);
-    work [W, 2]: (sequence, first row) per program along grid axis 0.
+    work [W, 2]: (sequence, first row) per program along grid axis 0;
+    qpos0 [n] (optional): position of each sequence's first query token, the others following every
+    ``pos_stride`` positions (None: the last q_len positions, stride 1).
     """
 
     qsl: torch.Tensor
@@ -250,6 +264,8 @@ class AttnMeta:
     max_ctx: int
     group: int
     block_m: int
+    qpos0: torch.Tensor | None = None
+    pos_stride: int = 1
 
 
 def pack_block_tables(block_tables: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -277,32 +293,58 @@ def build_attn_meta(
     device: torch.device,
     block_tables: torch.Tensor | None = None,
     kv_start: Sequence[int] | None = None,
+    q_pos0: Sequence[int] | None = None,
+    pos_stride: int = 1,
 ) -> AttnMeta:
     """Metadata for ``attention_fwd``. ``q_lens`` / ``context_lens`` are per sequence (host lists);
-    pass the packed ``block_tables`` [n, P] for paged K/V or ``kv_start`` for contiguous K/V."""
-    if len(q_lens) != len(context_lens):
-        raise ValueError(f"{len(q_lens)} q_lens but {len(context_lens)} context_lens")
+    pass the packed ``block_tables`` [n, P] for paged K/V or ``kv_start`` for contiguous K/V.
+
+    Query token ``j`` of sequence ``i`` is at position ``q_pos0[i] + j * pos_stride`` (strided positions, PCP:
+    a rank's share of a round-robin striped chunk); the default ``q_pos0=None`` means the last ``q_len``
+    positions (``context_len - q_len``, stride 1). Keys always cover the whole context."""
+    n = len(context_lens)
+    if len(q_lens) != n:
+        raise ValueError(f"{len(q_lens)} q_lens but {n} context_lens")
+    if pos_stride < 1:
+        raise ValueError(f"pos_stride must be >= 1, got {pos_stride}")
+    if q_pos0 is None and pos_stride != 1:
+        raise ValueError(f"pos_stride {pos_stride} needs q_pos0 (the default positions are the last q_len, stride 1)")
+    if q_pos0 is not None and len(q_pos0) != n:
+        raise ValueError(f"{len(q_pos0)} q_pos0 but {n} context_lens")
     qsl = [0]
     work: list[tuple[int, int, int]] = []
     for i, (ql, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):
         if ql < 0 or ql > ctx:
             raise ValueError(f"sequence {i}: q_len {ql} must be in [0, context_len {ctx}]")
+        if q_pos0 is None:
+            p0 = ctx - ql
+        else:
+            p0 = q_pos0[i]
+            if p0 < 0:
+                raise ValueError(f"sequence {i}: q_pos0 {p0} must be >= 0")
+            if ql > 0 and p0 + (ql - 1) * pos_stride >= ctx:
+                raise ValueError(
+                    f"sequence {i}: last query position {p0} + ({ql} - 1) * {pos_stride} = "
+                    f"{p0 + (ql - 1) * pos_stride} must be < context_len {ctx}"
+                )
         qsl.append(qsl[-1] + ql)
         for r0 in range(0, ql * group, block_m):
             last_tok = (min(r0 + block_m, ql * group) - 1) // group
-            work.append((ctx - ql + last_tok + 1, i, r0))  # keys this program reads
+            work.append((p0 + last_tok * pos_stride + 1, i, r0))  # keys this program reads
     work.sort(key=lambda w: -w[0])  # longest first: better tail for causal prefill
     ints = qsl + list(context_lens) + [x for _, i, r0 in work for x in (i, r0)]
     if kv_start is not None:
         ints += list(kv_start)
+    if q_pos0 is not None:
+        ints += list(q_pos0)
     host = torch.tensor(ints, dtype=torch.int32)
     dev = host.to(device, non_blocking=True)
-    n = len(context_lens)
     o = 0
     qsl_t, o = dev[o : o + n + 1], o + n + 1
     ctx_t, o = dev[o : o + n], o + n
     work_t, o = dev[o : o + 2 * len(work)].view(-1, 2), o + 2 * len(work)
-    kvs_t = dev[o : o + n] if kv_start is not None else None
+    kvs_t, o = (dev[o : o + n], o + n) if kv_start is not None else (None, o)
+    qp0_t = dev[o : o + n] if q_pos0 is not None else None
     return AttnMeta(
         qsl=qsl_t,
         ctx=ctx_t,
@@ -315,6 +357,8 @@ def build_attn_meta(
         max_ctx=max(context_lens, default=0),
         group=group,
         block_m=block_m,
+        qpos0=qp0_t,
+        pos_stride=pos_stride,
     )
 
 
@@ -418,6 +462,8 @@ def attention_fwd(
     sv = _strides_phd(v) if not v_is_ka else (0, 0, 0)
     bt = meta.block_tables if not contig else meta.qsl
     kvs = meta.kv_start if contig else meta.qsl
+    has_qpos = meta.qpos0 is not None
+    qp0 = meta.qpos0 if has_qpos else meta.qsl
     grid = (int(meta.work.shape[0]), hkv, num_splits)
     if grid[0] == 0:
         return out
@@ -433,6 +479,7 @@ def attention_fwd(
         meta.qsl,
         meta.ctx,
         kvs,
+        qp0,
         meta.work,
         scale * LOG2E,
         q_a.stride(0),
@@ -446,6 +493,7 @@ def attention_fwd(
         *s_l,
         bt.stride(0) if not contig else 0,
         split_len,
+        meta.pos_stride if has_qpos else 1,
         GROUP=meta.group,
         PAGE_SIZE=page_size,
         DA=da,
@@ -459,6 +507,7 @@ def attention_fwd(
         HAS_KB=has_kb,
         V_IS_KA=v_is_ka,
         CONTIG_KV=contig,
+        HAS_QPOS=has_qpos,
         SPLIT=num_splits > 1,
         DOT_F32=dot_f32,
         PREC=prec,
@@ -660,11 +709,13 @@ def plan_mla(
     kv_lora_rank: int,
     device: torch.device,
     expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN,
+    q_pos0: Sequence[int] | None = None,
+    pos_stride: int = 1,
 ) -> list[MLAPart]:
     """Split a batch's sequences into an absorbed and an expanded launch (empty ones dropped).
 
     ``block_tables`` is the packed [N, P] table (``pack_block_tables``). Built once per step and reused by
-    every MLA layer (``run_mla``).
+    every MLA layer (``run_mla``). ``q_pos0`` / ``pos_stride``: strided query positions (``build_attn_meta``).
     """
     n = len(context_lens)
     q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(n)]
@@ -679,14 +730,16 @@ def plan_mla(
             rows = torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]).to(device)
         sub_ql = [q_lens[i] for i in seqs]
         sub_ctx = [context_lens[i] for i in seqs]
+        sub_p0 = None if q_pos0 is None else [q_pos0[i] for i in seqs]
+        pos = dict(q_pos0=sub_p0, pos_stride=pos_stride)
         sub_bt = block_tables if len(seqs) == n else block_tables[torch.tensor(seqs, device=block_tables.device)]
         if expanded:
             kv_start = [sum(sub_ctx[:j]) for j in range(len(seqs))]
-            meta = build_attn_meta(sub_ql, sub_ctx, 1, 64, device, kv_start=kv_start)
+            meta = build_attn_meta(sub_ql, sub_ctx, 1, 64, device, kv_start=kv_start, **pos)
             latent_rows = gather_latent_rows(sub_bt, sub_ctx, page_size)
         else:
             block_m = default_block_m(num_heads, max(sub_ql), kv_lora_rank)
-            meta = build_attn_meta(sub_ql, sub_ctx, num_heads, block_m, device, block_tables=sub_bt)
+            meta = build_attn_meta(sub_ql, sub_ctx, num_heads, block_m, device, block_tables=sub_bt, **pos)
             latent_rows = None
         parts.append(MLAPart(expanded, rows, meta, latent_rows))
     return parts
@@ -782,11 +835,16 @@ def plan_gqa(
     group: int,
     device: torch.device,
     head_dim: int = 128,
+    q_pos0: Sequence[int] | None = None,
+    pos_stride: int = 1,
 ) -> AttnMeta:
-    """Metadata of a GQA step (``block_tables`` packed [N, P]); built once per step, reused by every layer."""
+    """Metadata of a GQA step (``block_tables`` packed [N, P]); built once per step, reused by every layer.
+    ``q_pos0`` / ``pos_stride``: strided query positions (``build_attn_meta``)."""
     q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(context_lens))]
     block_m = default_block_m(group, max(q_lens, default=0), head_dim)
-    return build_attn_meta(q_lens, context_lens, group, block_m, device, block_tables=block_tables)
+    return build_attn_meta(
+        q_lens, context_lens, group, block_m, device, block_tables=block_tables, q_pos0=q_pos0, pos_stride=pos_stride
+    )
 
 
 def attention_flops(q_lens: Sequence[int], context_lens: Sequence[int], heads: int, d_qk: int, d_v: int) -> float:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention.naive import paged_gqa_attention, paged_mla_attention
+from kernels.paged_attention.naive import attention_at_positions, gather_pages, paged_gqa_attention, paged_mla_attention
 from kernels.paged_attention.triton import (
+    attention_fwd,
     build_attn_meta,
     pack_block_tables,
     paged_gqa_attention_triton,
     paged_mla_attention_triton,
+    plan_gqa,
+    plan_mla,
+    run_mla,
 )
 from tests.kernels.helpers import DEVICE, assert_close, tol
 
@@ -169,3 +173,174 @@ def test_wrapper_validates_inputs():
         paged_gqa_attention_triton(q, kv, [0, 2], [9], tables, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
         paged_gqa_attention_triton(q[..., :8], kv, [0, 3], [9], tables, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Strided query positions (prefill context parallelism): a chunk [start, ctx) of each sequence is striped
+# round-robin over `stride` ranks; rank r holds the queries at start + r, start + r + stride, ... and attends
+# to the whole cached context. (context_len, chunk start) per sequence: a first chunk, a chunk over a prefix,
+# one token (q_len 0 on ranks > 0), two tokens (q_len 0 on rank 2 of 3).
+# ----------------------------------------------------------------------------------------------------------
+PCP_SEQS = [(70, 0), (40, 29), (9, 8), (17, 15)]
+PCP_CTX = [c for c, _ in PCP_SEQS]
+
+
+def _pcp_rank(stride, rank):
+    """One rank's share: q_pos0, q_lens, query_start_loc and its rows in the full (unstriped) chunk batch."""
+    q_pos0, q_lens, qsl, rows, full0 = [], [], [0], [], 0
+    for ctx, start in PCP_SEQS:
+        p0 = start + rank
+        ql = max(0, -(-(ctx - p0) // stride))
+        q_pos0.append(p0)
+        q_lens.append(ql)
+        qsl.append(qsl[-1] + ql)
+        rows += [full0 + rank + j * stride for j in range(ql)]
+        full0 += ctx - start
+    return q_pos0, q_lens, qsl, torch.tensor(rows, dtype=torch.int64)
+
+
+def _positions(q_pos0, q_lens, stride):
+    return [torch.arange(ql) * stride + p0 for p0, ql in zip(q_pos0, q_lens, strict=True)]
+
+
+def _gqa_at_positions(q, kv, qsl, ctx_lens, tables, positions, scale):
+    """Reference: per sequence, the whole context's K/V gathered from the pages, queries at ``positions``."""
+    out = torch.empty_like(q)
+    rep = q.shape[1] // kv.shape[3]
+    for i, ctx in enumerate(ctx_lens):
+        s, e = qsl[i], qsl[i + 1]
+        kv_i = gather_pages(kv, tables[i], ctx)
+        k, v = kv_i[:, 0].repeat_interleave(rep, dim=1), kv_i[:, 1].repeat_interleave(rep, dim=1)
+        out[s:e] = attention_at_positions(q[s:e], k, v, positions[i], scale)
+    return out
+
+
+def _mla_at_positions(q, latent, qsl, ctx_lens, tables, positions, kv_b, rank, nope, vd, scale):
+    """Reference: naive.paged_mla_attention's expanded form with queries at ``positions``."""
+    h = q.shape[1]
+    out = q.new_empty(q.shape[0], h, vd)
+    for i, ctx in enumerate(ctx_lens):
+        s, e = qsl[i], qsl[i + 1]
+        lat = gather_pages(latent, tables[i], ctx)
+        kv = torch.nn.functional.linear(lat[:, :rank], kv_b).view(ctx, h, nope + vd)
+        k = torch.cat([kv[..., :nope], lat[:, None, rank:].expand(ctx, h, lat.shape[1] - rank)], dim=-1)
+        out[s:e] = attention_at_positions(q[s:e], k, kv[..., nope:], positions[i], scale)
+    return out
+
+
+def _pcp_gqa_setup(seed):
+    page_size, hq, hkv, d = 4, 4, 2, 32  # group 2, small pages
+    num_pages = _pages_needed(PCP_CTX, page_size)
+    torch.manual_seed(seed)
+    kv = torch.randn(num_pages, page_size, 2, hkv, d, device=DEVICE)
+    qsl_full, tables = _batch([c - s for c, s in PCP_SEQS], PCP_CTX, page_size, num_pages, seed=seed)
+    q_full = torch.randn(qsl_full[-1], hq, d, device=DEVICE)
+    return kv, tables, qsl_full, q_full, hq // hkv, d**-0.5
+
+
+@pytest.mark.parametrize("stride", [2, 3])
+def test_gqa_strided_positions(stride):
+    """Every rank against the reference at its positions; the ranks together give the unstriped chunk's output."""
+    kv, tables, qsl_full, q_full, group, scale = _pcp_gqa_setup(5)
+    bt = pack_block_tables(tables, DEVICE)
+    out_full = torch.full_like(q_full, float("nan"))
+    for rank in range(stride):
+        q_pos0, q_lens, qsl, rows = _pcp_rank(stride, rank)
+        q = q_full[rows.to(DEVICE)]
+        meta = plan_gqa(qsl, PCP_CTX, bt, group, DEVICE, q.shape[-1], q_pos0=q_pos0, pos_stride=stride)
+        assert meta.pos_stride == stride and meta.qpos0.cpu().tolist() == q_pos0
+        out = attention_fwd(q, kv[:, :, 0], kv[:, :, 1], meta, scale)
+        ref = _gqa_at_positions(q, kv, qsl, PCP_CTX, tables, _positions(q_pos0, q_lens, stride), scale)
+        assert_close(f"rank {rank}/{stride}", ref, out, tol(torch.float32))
+        out_full[rows.to(DEVICE)] = out
+    ref_full = paged_gqa_attention(q_full, kv, qsl_full, PCP_CTX, tables, scale)
+    assert_close("all ranks", ref_full, out_full, tol(torch.float32))
+
+
+@pytest.mark.parametrize(("stride", "rank"), [(2, 1), (3, 0)])
+def test_gqa_strided_positions_split_kv(stride, rank):
+    """Forced split-KV: parts past a block's last position are empty (lse -inf) and drop out of the merge."""
+    kv, tables, _, q_full, group, scale = _pcp_gqa_setup(6)
+    q_pos0, q_lens, qsl, rows = _pcp_rank(stride, rank)
+    q = q_full[rows.to(DEVICE)]
+    meta = plan_gqa(
+        qsl, PCP_CTX, pack_block_tables(tables, DEVICE), group, DEVICE, 32, q_pos0=q_pos0, pos_stride=stride
+    )
+    out = attention_fwd(q, kv[:, :, 0], kv[:, :, 1], meta, scale, num_splits=2, block_n=16)
+    ref = _gqa_at_positions(q, kv, qsl, PCP_CTX, tables, _positions(q_pos0, q_lens, stride), scale)
+    assert_close("o", ref, out, tol(torch.float32))
+
+
+def test_gqa_explicit_last_positions_match_default():
+    """q_pos0 = ctx - q_len with stride 1 is the default contract: same output, bit for bit."""
+    q_lens, ctx = SCENARIOS["mixed"]
+    page_size, hq, hkv, d = 8, 4, 2, 32
+    num_pages = _pages_needed(ctx, page_size)
+    torch.manual_seed(7)
+    kv = torch.randn(num_pages, page_size, 2, hkv, d, device=DEVICE)
+    qsl, tables = _batch(q_lens, ctx, page_size, num_pages, seed=7)
+    q = torch.randn(qsl[-1], hq, d, device=DEVICE)
+    bt = pack_block_tables(tables, DEVICE)
+    default = plan_gqa(qsl, ctx, bt, 2, DEVICE, d)
+    explicit = plan_gqa(qsl, ctx, bt, 2, DEVICE, d, q_pos0=[c - ql for c, ql in zip(ctx, q_lens, strict=True)])
+    assert default.qpos0 is None and default.pos_stride == 1
+    assert torch.equal(default.work, explicit.work)
+    out_default = attention_fwd(q, kv[:, :, 0], kv[:, :, 1], default, 0.2)
+    out_explicit = attention_fwd(q, kv[:, :, 0], kv[:, :, 1], explicit, 0.2)
+    assert torch.equal(out_default, out_explicit)
+
+
+@pytest.mark.parametrize(
+    ("form", "stride", "rank"),
+    [("absorbed", 2, 1), ("absorbed", 3, 0), ("expanded", 3, 2), ("mixed", 2, 1)],
+)
+def test_mla_strided_positions(form, stride, rank):
+    """plan_mla + run_mla; "mixed": the longer chunks expanded, the others absorbed (each part gets its own
+    sequences' q_pos0)."""
+    h, rank_dim, rope, nope, vd = (MLA_DIMS["tiny4L"][k] for k in ("h", "rank", "rope", "nope", "v"))
+    page_size = 8
+    num_pages = _pages_needed(PCP_CTX, page_size)
+    torch.manual_seed(8)
+    latent = torch.randn(num_pages, page_size, rank_dim + rope, device=DEVICE)
+    kv_b = torch.randn(h * (nope + vd), rank_dim, device=DEVICE) * rank_dim**-0.5
+    q_pos0, q_lens, qsl, _ = _pcp_rank(stride, rank)
+    _, tables = _batch(q_lens, PCP_CTX, page_size, num_pages, seed=8)
+    q = torch.randn(qsl[-1], h, nope + rope, device=DEVICE)
+    scale = (nope + rope) ** -0.5
+    threshold = {"absorbed": None, "expanded": 0, "mixed": 4}[form]
+    bt = pack_block_tables(tables, DEVICE)
+    parts = plan_mla(qsl, PCP_CTX, bt, h, page_size, rank_dim, DEVICE, threshold, q_pos0=q_pos0, pos_stride=stride)
+    assert [p.expanded for p in parts] == {"absorbed": [False], "expanded": [True], "mixed": [False, True]}[form]
+    out = run_mla(q, latent, parts, kv_b, rank_dim, nope, vd, scale)
+    positions = _positions(q_pos0, q_lens, stride)
+    ref = _mla_at_positions(q, latent, qsl, PCP_CTX, tables, positions, kv_b, rank_dim, nope, vd, scale)
+    assert_close("o", ref, out, tol(torch.float32))
+
+
+def test_strided_metadata():
+    """The work list is sorted by the real last position + 1; q_pos0 rides in the single int32 copy."""
+    bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    default = build_attn_meta([4, 4], [100, 50], 1, 16, DEVICE, block_tables=bt)
+    assert default.work[:, 0].cpu().tolist() == [0, 1] and default.qpos0 is None
+    meta = build_attn_meta([4, 4], [100, 50], 1, 16, DEVICE, block_tables=bt, q_pos0=[0, 3], pos_stride=10)
+    assert meta.work[:, 0].cpu().tolist() == [1, 0]  # keys 3 + 3 * 10 + 1 = 34 > 0 + 3 * 10 + 1 = 31
+    assert meta.qpos0.cpu().tolist() == [0, 3] and meta.qpos0.dtype == torch.int32 and meta.pos_stride == 10
+    contig = build_attn_meta([4, 0], [100, 50], 1, 16, DEVICE, kv_start=[0, 100], q_pos0=[96, 50])
+    assert contig.kv_start.cpu().tolist() == [0, 100] and contig.qpos0.cpu().tolist() == [96, 50]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(q_pos0=[0]), "1 q_pos0 but 2"),
+        (dict(q_pos0=[0, 0], pos_stride=0), "pos_stride must be >= 1"),
+        (dict(pos_stride=2), "needs q_pos0"),
+        (dict(q_pos0=[0, -1]), "q_pos0 -1 must be >= 0"),
+        (dict(q_pos0=[0, 1], pos_stride=3), "= 10 must be < context_len 10"),  # 1 + 3 * 3
+        (dict(q_pos0=[7, 7]), "= 10 must be < context_len 10"),  # stride 1: 7 + 3 past the end
+    ],
+)
+def test_strided_metadata_rejects_bad_positions(kwargs, match):
+    bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        build_attn_meta([2, 4], [20, 10], 1, 16, DEVICE, block_tables=bt, **kwargs)
