@@ -105,9 +105,9 @@ def decode_step_ms(eng: LLMEngine, prompts: list[list[int]], steps: int) -> floa
 
 
 def pcp_breakdown(eng: Any, prompts: list[list[int]]) -> dict[str, float]:
-    """Seconds rank 0 spends in PCP collectives and in KDA (the conv over all rows, the recurrence over its
-    own segment plus the scan), one prefill."""
-    keys = ("collectives", "KDA short conv (all rows)", "KDA recurrence (own segment + scan)")
+    """Seconds rank 0 spends in PCP collectives (all of them, the KDA layout exchanges included) and in KDA
+    (the conv over its own segments, the recurrence over them plus the scan and its gather), one prefill."""
+    keys = ("collectives", "KDA short conv (own segments)", "KDA recurrence (own segments + scan)")
     spent = dict.fromkeys(keys, 0.0)
 
     def timing(obj: Any, name: str, key: str) -> None:
@@ -124,6 +124,7 @@ def pcp_breakdown(eng: Any, prompts: list[list[int]]) -> dict[str, float]:
 
     timing(eng.groups, "all_gather", keys[0])
     timing(eng.groups, "all_reduce", keys[0])
+    timing(eng.groups, "all_to_all", keys[0])
     kda = eng.model.backends.kda
     if hasattr(kda, "inner"):
         timing(kda.inner, "short_conv", keys[1])

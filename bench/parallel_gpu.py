@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--kv-gib", type=float, default=8.0)
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--report", type=Path, nargs="*", default=None, help="only print the table of these JSON files")
     a = p.parse_args(argv)
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     short = "kimi" if a.arch == "kimi_linear" else "qwen3"
     a.model_dir = a.model_dir or Path(f"/tmp/tandem-mid-{short}-{a.layers}l{'-tiny' if a.tiny else ''}")
     write_mid_model(a.model_dir, MidSpec(a.arch, a.layers, a.tiny))
-    dtype = "bfloat16" if cuda else "float32"
+    dtype = a.dtype or ("bfloat16" if cuda else "float32")
     records = []
     for layout in a.layouts:
         records.append(run_layout(a, layout, "cuda" if cuda else "cpu", dtype))

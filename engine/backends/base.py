@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,13 @@ class AttentionBackend(ABC):
 
 
 class KDABackend(ABC):
+    def run_mixer(
+        self, mixer: Callable[[torch.Tensor, ForwardBatch], torch.Tensor], x: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Run a KDA layer's token mixer (projections .. output projection) over x [T, hidden]. A backend may
+        run it over another row layout and return x's (PCP: contiguous segments, engine/parallel/pcp_kda.py)."""
+        return mixer(x, batch)
+
     @abstractmethod
     def short_conv(
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch

@@ -51,6 +51,9 @@ class KimiDeltaAttention(nn.Module):
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+        return be.kda.run_mixer(lambda xs, bs: self._mix(xs, bs, cache, be), x, batch)
+
+    def _mix(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
         qkv = be.kda.short_conv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)

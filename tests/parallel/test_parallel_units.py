@@ -256,3 +256,56 @@ def test_local_queries_are_the_rows_and_positions_each_rank_holds(size):
             local, pos = rows.seq_rows(qsl[i], qsl[i + 1], ctx[i])
             assert local.tolist() == list(range(lq.qsl[i], lq.qsl[i + 1]))
             assert pos.tolist() == [lq.pos0[i] + j * size for j in range(local.numel())]
+
+
+def _route(plans, exchange: str, layouts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run one RowExchange of every simulated rank: what each rank would receive and place."""
+    size = len(plans)
+    sent = [getattr(p, exchange) for p in plans]
+    chunks = [list(layouts[s][sent[s].send_index].split(sent[s].send_counts)) for s in range(size)]
+    outs = []
+    for d in range(size):
+        ex = sent[d]
+        received = torch.cat([chunks[s][d] for s in range(size)])
+        assert [chunks[s][d].shape[0] for s in range(size)] == ex.recv_counts
+        out = torch.full((ex.out_rows,), -1, dtype=torch.int64)
+        out[ex.recv_index] = received
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_segment_plan_moves_every_row_to_its_segment_and_back(size):
+    """Row layout -> segment layout (halo rows included) -> row layout, simulated for every rank with each
+    row's global index as its value."""
+    from types import SimpleNamespace
+
+    from engine.parallel.pcp_segments import HALO, plan_segments
+
+    q_lens = [700, 1, 64, 65, 300, 2000]
+    qsl = [0, *itertools.accumulate(q_lens)]
+    t = qsl[-1]
+    full = SimpleNamespace(
+        query_start_loc=qsl, num_tokens=t, num_seqs=len(q_lens), q_len=lambda i: q_lens[i], state_slots=[]
+    )
+    local_rows = -(-t // size)
+    plans = [plan_segments(full, size, r, local_rows, torch.device("cpu")) for r in range(size)]
+    rows = [
+        torch.cat([torch.arange(r, t, size), torch.full((local_rows - len(range(r, t, size)),), -1)])
+        for r in range(size)
+    ]
+    segs = _route(plans, "to_segments", rows)
+    covered = []
+    for r, (p, seg) in enumerate(zip(plans, segs, strict=True)):
+        for j, i in enumerate(p.seqs):
+            lo, hi = p.bounds[i][r]
+            part = seg[p.seg_qsl[j] : p.seg_qsl[j + 1]]
+            assert part.tolist() == list(range(lo - p.seg_halo[j], hi))
+            assert p.seg_halo[j] == (0 if lo == qsl[i] else HALO)
+        covered += seg[p.core].tolist()
+    assert sorted(covered) == list(range(t))  # every row in exactly one segment's core
+    back = _route(plans, "to_rows", segs)
+    for r in range(size):
+        real = len(range(r, t, size))
+        assert back[r][:real].tolist() == list(range(r, t, size))
+        assert back[r][real:].tolist() == [-1] * (local_rows - real)  # padding: nobody sends it
