@@ -25,6 +25,7 @@ from engine.forward_batch import ForwardBatch
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.pcp import PCPForwardBatch, localize
 from engine.parallel.plan import StepPlan, split_batch, to_device
+from engine.parallel.profiling import StepProfiler
 from engine.parallel.stage import Stage
 
 EMITTED_LOG = 4096
@@ -50,6 +51,7 @@ class StageRunner:
         self.accepted: deque[int] = deque(maxlen=EMITTED_LOG)
         """Accepted drafts per sampled request (0 without drafts), as rank 0 settled them."""
         self.taps: dict[int, torch.Tensor] = {}
+        self.profiler = StepProfiler(groups.rank)
         self.logits_hooks: list[LogitsHook] = []
         """Applied to this rank's logits before they go to the sampler (tests perturb them here)."""
 
@@ -57,6 +59,10 @@ class StageRunner:
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """This rank's part of the step. Returns the logits [S, V] fp32 on rank 0, None elsewhere; the
         taps this stage owns (of ``plan.aux_layer_ids``) at the logits rows are left in ``self.taps``."""
+        with self.profiler.step(plan.batch.num_tokens):
+            return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> torch.Tensor | None:
         for src, dst in plan.forks:  # every stage forks its own KDA layers' state (no-op without any)
             self.cache.copy_slot(src, dst)
         batch = to_device(plan.batch, self.device)

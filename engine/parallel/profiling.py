@@ -1,0 +1,46 @@
+"""Opt-in torch.profiler tables of a rank's big steps, to see where a parallel step's time goes on a GPU.
+
+    TANDEM_PROFILE_DIR=/tmp/prof [TANDEM_PROFILE_MIN_TOKENS=8192] [TANDEM_PROFILE_STEPS=4] python -m bench...
+
+Each rank writes ``rank{r}-step{n}-{tokens}.txt``: ops by device time and by host time. Off (no cost) unless
+the directory is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        where = os.environ.get("TANDEM_PROFILE_DIR", "")
+        self.dir = Path(where) if where else None
+        self.min_tokens = int(os.environ.get("TANDEM_PROFILE_MIN_TOKENS", "8192"))
+        self.left = int(os.environ.get("TANDEM_PROFILE_STEPS", "4"))
+        self.count = 0
+
+    @contextlib.contextmanager
+    def step(self, num_tokens: int) -> Iterator[None]:
+        if self.dir is None or self.left <= 0 or num_tokens < self.min_tokens:
+            yield
+            return
+        self.left -= 1
+        self.count += 1
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            yield
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        avg = prof.key_averages()
+        by_device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        text = avg.table(sort_by=by_device, row_limit=35) + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=35)
+        (self.dir / f"rank{self.rank}-step{self.count}-{num_tokens}.txt").write_text(text)
