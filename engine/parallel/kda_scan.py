@@ -26,6 +26,7 @@ copy of the state, as the P/D producer and the prefix cache need.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,7 @@ ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 cu_seqlens) -> (o [T, H, V], final [N, H, K, V] fp32, chunk states or None)."""
 
 SCAN_CHUNK = 64  # KDA's chunk: segments start on chunk boundaries, so no rank pads a chunk it shares
-FIRST_WEIGHT = 1.6
+FIRST_WEIGHT = float(os.environ.get("TANDEM_PCP_KDA_FIRST_WEIGHT", "1.6"))
 """The first rank's share of a sequence relative to each other rank's: the others' pass carries V + K value
 columns and the correction o0 + P S. Only speed depends on it (bench/parallel_gpu.py measures the result)."""
 
