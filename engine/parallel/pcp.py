@@ -237,7 +237,8 @@ class PCPAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self.fast:
             assert isinstance(batch, PCPForwardBatch)
-            return self._fast_mla(q, cache, batch, kv_b_weight, dims, scale)
+            with torch.profiler.record_function("pcp.mla"):
+                return self._fast_mla(q, cache, batch, kv_b_weight, dims, scale)
         h = q.shape[1]
 
         def attend(qs: torch.Tensor, pos: torch.Tensor, i: int, ctx: int) -> torch.Tensor:

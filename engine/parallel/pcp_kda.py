@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from engine.backends.base import KDABackend
 from engine.forward_batch import ForwardBatch
@@ -41,19 +42,25 @@ class PCPKDABackend(KDABackend):
         if full.is_decode_only or any(full.checkpoints):
             return mixer(x, batch)  # the row layout
         if self._step is None or self._step[0] is not full:  # planned once per step, for every KDA layer
-            plan = plan_segments(full, batch.rows.size, batch.rows.rank, batch.rows.local_rows, x.device)
-            self._step = (full, segment_batch(full, plan, groups, x.device))
+            with record_function("pcp.plan_segments"):
+                plan = plan_segments(full, batch.rows.size, batch.rows.rank, batch.rows.local_rows, x.device)
+                self._step = (full, segment_batch(full, plan, groups, x.device))
         seg = self._step[1]
         assert seg.plan is not None
-        y = mixer(seg.plan.to_segments.run(x, groups), seg)
-        return seg.plan.to_rows.run(y, groups)
+        with record_function("pcp.to_segments"):
+            xs = seg.plan.to_segments.run(x, groups)
+        with record_function("pcp.kda_mixer"):
+            y = mixer(xs, seg)
+        with record_function("pcp.to_rows"):
+            return seg.plan.to_rows.run(y, groups)
 
     # ---- short conv -----------------------------------------------------------------------------------------
     def short_conv(
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         if isinstance(batch, SegmentBatch):
-            return self._segment_conv(x, conv_cache, weight, batch)
+            with record_function("pcp.segment_conv"):
+                return self._segment_conv(x, conv_cache, weight, batch)
         assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
         out = self.inner.short_conv(batch.rows.gather(x), conv_cache, weight, batch.full)
         own = batch.rows.own(out)
@@ -94,7 +101,8 @@ class PCPKDABackend(KDABackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         if isinstance(batch, SegmentBatch):
-            return self._scan(q, k, v, g, beta, state_cache, batch)
+            with record_function("pcp.kda_scan"):
+                return self._scan(q, k, v, g, beta, state_cache, batch)
         assert isinstance(batch, PCPForwardBatch) and batch.rows is not None and batch.full is not None
         rows, t, h = batch.rows, batch.full.num_tokens, q.shape[1]
         conv, own = batch.stash.pop("conv_out", None), batch.stash.pop("conv_own", None)

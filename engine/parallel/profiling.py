@@ -23,11 +23,16 @@ class StepProfiler:
         self.dir = Path(where) if where else None
         self.min_tokens = int(os.environ.get("TANDEM_PROFILE_MIN_TOKENS", "8192"))
         self.left = int(os.environ.get("TANDEM_PROFILE_STEPS", "4"))
+        self.skip = int(os.environ.get("TANDEM_PROFILE_SKIP", "0"))  # big steps to pass over first (warm-up)
         self.count = 0
 
     @contextlib.contextmanager
     def step(self, num_tokens: int) -> Iterator[None]:
         if self.dir is None or self.left <= 0 or num_tokens < self.min_tokens:
+            yield
+            return
+        if self.skip > 0:
+            self.skip -= 1
             yield
             return
         self.left -= 1
