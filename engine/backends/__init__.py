@@ -25,15 +25,24 @@ def select_backends(device: torch.device) -> Backends:
     """The fast GPU backends (engine/backends/gpu.py) on CUDA, the PyTorch reference elsewhere.
 
     ``TANDEM_BACKEND`` overrides: ``auto`` (default), ``torch`` (the reference everywhere, e.g. to bisect
-    a GPU mismatch), ``gpu`` (insist on the GPU path: an error off CUDA).
+    a GPU mismatch), ``gpu`` (insist on the GPU path: an error off CUDA), ``interpret`` (the GPU backends'
+    code on the CPU under ``TRITON_INTERPRET=1``, KDA chunks by the reference chunk form instead of fla:
+    tests of the GPU path's glue, e.g. under PCP, on a machine without a GPU; slow).
     """
     import os  # local: this function is the GPU issue's only edit in this module
 
     choice = os.environ.get("TANDEM_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in ("auto", "torch", "gpu"):
-        raise ValueError(f"TANDEM_BACKEND must be auto, torch or gpu, got {choice!r}")
+    if choice not in ("auto", "torch", "gpu", "interpret"):
+        raise ValueError(f"TANDEM_BACKEND must be auto, torch, gpu or interpret, got {choice!r}")
     if choice == "gpu" and device.type != "cuda":
         raise ValueError(f"TANDEM_BACKEND=gpu needs a CUDA device, the engine runs on {device}")
+    if choice == "interpret":
+        if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("TANDEM_BACKEND=interpret runs on the CPU with TRITON_INTERPRET=1 set before triton loads")
+        from engine.backends.gpu import GPUAttentionBackend, GPUKDABackend, GPUMoEBackend
+        from kernels.kda.naive import naive_chunk_kda_varlen
+
+        return Backends(GPUAttentionBackend(), GPUKDABackend(chunk_fn=naive_chunk_kda_varlen), GPUMoEBackend())
     if device.type == "cuda" and choice != "torch":
         from engine.backends.gpu import GPUAttentionBackend, GPUMoEBackend, gpu_kda_backend
 
