@@ -188,7 +188,10 @@ def test_select_backends_cuda_is_gpu_and_env_overrides(monkeypatch):
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backends(torch.device("cpu"))
     monkeypatch.setenv("TANDEM_BACKEND", "fast")
-    with pytest.raises(ValueError, match="auto, torch or gpu"):
+    with pytest.raises(ValueError, match="auto, torch, gpu or interpret"):
+        select_backends(cuda)
+    monkeypatch.setenv("TANDEM_BACKEND", "interpret")
+    with pytest.raises(ValueError, match="runs on the CPU with TRITON_INTERPRET=1"):
         select_backends(cuda)
 
 
