@@ -36,9 +36,11 @@ ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 cu_seqlens) -> (o [T, H, V], final [N, H, K, V] fp32, chunk states or None)."""
 
 SCAN_CHUNK = 64  # KDA's chunk: segments start on chunk boundaries, so no rank pads a chunk it shares
-FIRST_WEIGHT = float(os.environ.get("TANDEM_PCP_KDA_FIRST_WEIGHT", "1.6"))
-"""The first rank's share of a sequence relative to each other rank's: the others' pass carries V + K value
-columns and the correction o0 + P S. Only speed depends on it (bench/parallel_gpu.py measures the result)."""
+FIRST_WEIGHT = float(os.environ.get("TANDEM_PCP_KDA_FIRST_WEIGHT", "1.4"))
+"""The first rank's share of a sequence relative to each other rank's. The others' recurrence pass carries
+V + K value columns (~1.6x the work of rank 0's plain pass); the mixer's projections cost the same a row
+everywhere. With Kimi-Linear's shapes on the H200 (projections ~2 ms, chunk_kda ~3 ms a layer at 16k)
+the loads balance near 1.4. Only speed depends on it; bench/parallel_gpu.py measures the result."""
 
 
 def segment_bounds(
