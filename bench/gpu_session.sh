@@ -26,7 +26,7 @@ case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
   mid-hf) python -m bench.gpu_mid --parts hf --out "$OUT/mid_hf.json" "$@" ;;
   par-kimi-a) python -m bench.parallel_gpu --arch kimi_linear --layouts single pcp2 --out "$OUT/par_kimi_a.json" "$@" ;;
-  par-kimi-b) python -m bench.parallel_gpu --arch kimi_linear --layouts pp2 tp2 --out "$OUT/par_kimi_b.json" "$@" ;;
+  par-kimi-b) python -m bench.parallel_gpu --arch kimi_linear --layouts pp2 pp2m4 tp2 --out "$OUT/par_kimi_b.json" "$@" ;;
   par-qwen) python -m bench.parallel_gpu --arch qwen3 --out "$OUT/par_qwen.json" "$@" ;;
   pcp-check) TRITON_F32_DEFAULT=ieee python -m bench.parallel_gpu --tiny --dtype float32 --arch kimi_linear \
       --layouts single pcp2 --pcp-lens 1000 3000 --out "$OUT/pcp_check.json" "$@" ;;

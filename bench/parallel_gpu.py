@@ -40,10 +40,11 @@ LAYOUTS = {
     "single": ParallelConfig(),
     "pcp2": ParallelConfig(pcp=2),
     "pp2": ParallelConfig(pp=2),
+    "pp2m4": ParallelConfig(pp=2, pp_microbatches=4),  # smaller pipeline bubble: (pp - 1) / (m + pp - 1)
     "tp2": ParallelConfig(tp=2),
 }
 AGREE_TOKENS = 8  # greedy tokens after each PCP prompt, compared with one GPU's (bf16: a near-tie may flip)
-WORKLOADS = {"single": ("pcp", "pp", "tp"), "pcp2": ("pcp",), "pp2": ("pp",), "tp2": ("tp",)}
+WORKLOADS = {"single": ("pcp", "pp", "tp"), "pcp2": ("pcp",), "pp2": ("pp",), "pp2m4": ("pp",), "tp2": ("tp",)}
 
 
 def _defaults(a: argparse.Namespace, cuda: bool) -> None:
