@@ -140,15 +140,10 @@ def _qsl(q_lens: list[int]) -> list[int]:
 
 
 def section_attention(rep: Report, quick: bool) -> None:
+    from kernels.paged_attention.meta import attention_flops, pack_block_tables, plan_gqa
+    from kernels.paged_attention.mla import plan_mla, run_mla
     from kernels.paged_attention.naive import paged_gqa_attention, paged_mla_attention
-    from kernels.paged_attention.triton import (
-        attention_flops,
-        attention_fwd,
-        pack_block_tables,
-        plan_gqa,
-        plan_mla,
-        run_mla,
-    )
+    from kernels.paged_attention.triton import attention_fwd
 
     # ---- GQA: Qwen3-8B-like ----
     hq, hkv, d = 32, 8, 128

@@ -21,14 +21,9 @@ from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import chunk_kda_varlen, fused_recurrent_kda_slots
 from kernels.moe.grouped import grouped_moe
 from kernels.moe.triton import sigmoid_topk_route_triton
-from kernels.paged_attention.triton import (
-    MLA_EXPAND_MIN_Q_LEN,
-    attention_fwd,
-    pack_block_tables,
-    plan_gqa,
-    plan_mla,
-    run_mla,
-)
+from kernels.paged_attention.meta import pack_block_tables, plan_gqa
+from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
+from kernels.paged_attention.triton import attention_fwd
 from kernels.short_conv.triton import short_conv_update
 
 logger = logging.getLogger(__name__)

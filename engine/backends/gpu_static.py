@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from engine.decode_graph.meta import DecodeMeta
-from kernels.paged_attention.triton import AttnMeta, MLAPart, default_block_m
+from kernels.paged_attention.meta import AttnMeta, default_block_m
+from kernels.paged_attention.mla import MLAPart
 
 
 def static_attn_meta(meta: DecodeMeta, group: int, dv: int) -> AttnMeta:

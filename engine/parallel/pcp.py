@@ -132,7 +132,8 @@ class PCPAttentionBackend(AttentionBackend):
         return self._step[1][key]
 
     def _fast_gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: PCPForwardBatch, scale: float) -> torch.Tensor:
-        from kernels.paged_attention.triton import attention_fwd, plan_gqa
+        from kernels.paged_attention.meta import plan_gqa
+        from kernels.paged_attention.triton import attention_fwd
 
         full, rows = batch.full, batch.rows
         group, d = q.shape[1] // cache.shape[3], q.shape[-1]
@@ -164,7 +165,7 @@ class PCPAttentionBackend(AttentionBackend):
         dims: MLADims,
         scale: float,
     ) -> torch.Tensor:
-        from kernels.paged_attention.triton import plan_mla, run_mla
+        from kernels.paged_attention.mla import plan_mla, run_mla
 
         full, rows = batch.full, batch.rows
         lq = local_queries(full, rows)

@@ -6,16 +6,16 @@ from kernels.paged_attention.naive import (
     scatter_pages,
 )
 
-_TRITON = (
-    "attention_fwd",
-    "build_attn_meta",
-    "pack_block_tables",
-    "paged_gqa_attention_triton",
-    "paged_mla_attention_triton",
-    "plan_gqa",
-    "plan_mla",
-    "run_mla",
-)
+_TRITON = {  # name -> module of this package
+    "attention_fwd": "triton",
+    "build_attn_meta": "meta",
+    "pack_block_tables": "meta",
+    "paged_gqa_attention_triton": "triton",
+    "paged_mla_attention_triton": "mla",
+    "plan_gqa": "meta",
+    "plan_mla": "mla",
+    "run_mla": "mla",
+}
 
 __all__ = [
     "causal_attention",
@@ -30,7 +30,7 @@ __all__ = [
 def __getattr__(name: str):
     # the Triton kernels load lazily: importing this package must not import triton (a GPU/test extra)
     if name in _TRITON:
-        from kernels.paged_attention import triton as _impl
+        import importlib
 
-        return getattr(_impl, name)
+        return getattr(importlib.import_module(f"{__name__}.{_TRITON[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

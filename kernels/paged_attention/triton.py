@@ -19,11 +19,11 @@ Keys come in up to three parts that share one page table: ``KA`` (first part of 
 axis (flash-decoding); partial results are merged by ``_merge_splits_kernel``.
 
 Public entry points (same arguments as the naive references):
-    paged_gqa_attention_triton   GQA over [num_pages, page_size, 2, Hkv, D] pages
-    paged_mla_attention_triton   MLA over [num_pages, page_size, kv_lora_rank + rope] latent pages:
+    paged_gqa_attention_triton   GQA over [num_pages, page_size, 2, Hkv, D] pages (here)
+    paged_mla_attention_triton   MLA over [num_pages, page_size, kv_lora_rank + rope] latent pages (mla.py):
                                  weight-absorbed (decode / short chunks) or expanded (long prefill chunks)
 Building blocks for the engine backend (metadata built once per step, reused by every layer):
-    pack_block_tables, plan_gqa + attention_fwd, plan_mla + run_mla (mla_absorbed / mla_expanded)
+    meta.py: pack_block_tables, build_attn_meta, plan_gqa (+ attention_fwd here); mla.py: plan_mla + run_mla
 Design notes, the prefill-vs-SDPA decision and limits: README.md next to this file.
 """
 
@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_attention.meta import (
+    AttnMeta,
+    attention_flops,
+    build_attn_meta,
+    default_block_m,
+    pack_block_tables,
+    plan_gqa,
+)
 from kernels.triton_utils import check_device, dot_config, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -237,131 +244,6 @@ def _merge_splits_kernel(
     tl.store(OUT + i_t * stride_o_t + i_h * stride_o_h + o_dv, b_o.to(OUT.dtype.element_ty), mask=m_dv)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Launch metadata
-# ----------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class AttnMeta:
-    """Device-side description of one launch over a subset of a batch's sequences.
-
-    qsl [n+1]: row starts of each sequence in this launch's q / out tensors (compacted);
-    ctx [n]: context length after this step; block_tables [n, P] (paged) or kv_start [n] (contiguous K/V);
-    work [W, 2]: (sequence, first row) per program along grid axis 0;
-    qpos0 [n] (optional): position of each sequence's first query token, the others following every
-    ``pos_stride`` positions (None: the last q_len positions, stride 1).
-    """
-
-    qsl: torch.Tensor
-    ctx: torch.Tensor
-    block_tables: torch.Tensor | None
-    kv_start: torch.Tensor | None
-    work: torch.Tensor
-    num_seqs: int
-    num_tokens: int
-    max_q_len: int
-    max_ctx: int
-    group: int
-    block_m: int
-    qpos0: torch.Tensor | None = None
-    pos_stride: int = 1
-
-
-def pack_block_tables(block_tables: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """N per-sequence page lists -> [N, max_pages] int32 (zero padded; padding is never read).
-
-    One cat + one scatter on the device whatever N is (lengths are read from shapes, no sync).
-    """
-    n = len(block_tables)
-    lens = [int(t.shape[0]) for t in block_tables]
-    width = max(lens, default=0)
-    out = torch.zeros(n, max(width, 1), dtype=torch.int32, device=device)
-    if width == 0:
-        return out
-    flat = torch.cat([t.reshape(-1).to(device=device) for t in block_tables]).to(torch.int32)
-    idx = torch.cat([torch.arange(length, dtype=torch.int64) + i * out.shape[1] for i, length in enumerate(lens)])
-    out.view(-1)[idx.to(device)] = flat
-    return out
-
-
-def build_attn_meta(
-    q_lens: Sequence[int],
-    context_lens: Sequence[int],
-    group: int,
-    block_m: int,
-    device: torch.device,
-    block_tables: torch.Tensor | None = None,
-    kv_start: Sequence[int] | None = None,
-    q_pos0: Sequence[int] | None = None,
-    pos_stride: int = 1,
-) -> AttnMeta:
-    """Metadata for ``attention_fwd``. ``q_lens`` / ``context_lens`` are per sequence (host lists);
-    pass the packed ``block_tables`` [n, P] for paged K/V or ``kv_start`` for contiguous K/V.
-
-    Query token ``j`` of sequence ``i`` is at position ``q_pos0[i] + j * pos_stride`` (strided positions, PCP:
-    a rank's share of a round-robin striped chunk); the default ``q_pos0=None`` means the last ``q_len``
-    positions (``context_len - q_len``, stride 1). Keys always cover the whole context."""
-    n = len(context_lens)
-    if len(q_lens) != n:
-        raise ValueError(f"{len(q_lens)} q_lens but {n} context_lens")
-    if pos_stride < 1:
-        raise ValueError(f"pos_stride must be >= 1, got {pos_stride}")
-    if q_pos0 is None and pos_stride != 1:
-        raise ValueError(f"pos_stride {pos_stride} needs q_pos0 (the default positions are the last q_len, stride 1)")
-    if q_pos0 is not None and len(q_pos0) != n:
-        raise ValueError(f"{len(q_pos0)} q_pos0 but {n} context_lens")
-    qsl = [0]
-    work: list[tuple[int, int, int]] = []
-    for i, (ql, ctx) in enumerate(zip(q_lens, context_lens, strict=True)):
-        if ql < 0 or ql > ctx:
-            raise ValueError(f"sequence {i}: q_len {ql} must be in [0, context_len {ctx}]")
-        if q_pos0 is None:
-            p0 = ctx - ql
-        else:
-            p0 = q_pos0[i]
-            if p0 < 0:
-                raise ValueError(f"sequence {i}: q_pos0 {p0} must be >= 0")
-            if ql > 0 and p0 + (ql - 1) * pos_stride >= ctx:
-                raise ValueError(
-                    f"sequence {i}: last query position {p0} + ({ql} - 1) * {pos_stride} = "
-                    f"{p0 + (ql - 1) * pos_stride} must be < context_len {ctx}"
-                )
-        qsl.append(qsl[-1] + ql)
-        for r0 in range(0, ql * group, block_m):
-            last_tok = (min(r0 + block_m, ql * group) - 1) // group
-            work.append((p0 + last_tok * pos_stride + 1, i, r0))  # keys this program reads
-    work.sort(key=lambda w: -w[0])  # longest first: better tail for causal prefill
-    ints = qsl + list(context_lens) + [x for _, i, r0 in work for x in (i, r0)]
-    if kv_start is not None:
-        ints += list(kv_start)
-    if q_pos0 is not None:
-        ints += list(q_pos0)
-    host = torch.tensor(ints, dtype=torch.int32)
-    dev = host.to(device, non_blocking=True)
-    o = 0
-    qsl_t, o = dev[o : o + n + 1], o + n + 1
-    ctx_t, o = dev[o : o + n], o + n
-    work_t, o = dev[o : o + 2 * len(work)].view(-1, 2), o + 2 * len(work)
-    kvs_t, o = (dev[o : o + n], o + n) if kv_start is not None else (None, o)
-    qp0_t = dev[o : o + n] if q_pos0 is not None else None
-    return AttnMeta(
-        qsl=qsl_t,
-        ctx=ctx_t,
-        block_tables=block_tables,
-        kv_start=kvs_t,
-        work=work_t,
-        num_seqs=n,
-        num_tokens=qsl[-1],
-        max_q_len=max(q_lens, default=0),
-        max_ctx=max(context_lens, default=0),
-        group=group,
-        block_m=block_m,
-        qpos0=qp0_t,
-        pos_stride=pos_stride,
-    )
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -534,14 +416,6 @@ def attention_fwd(
     return out
 
 
-def default_block_m(group: int, max_q_len: int, dv: int) -> int:
-    """Rows per program: the launch's rows rounded up to a power of 2 in [16, 64] (16 is the smallest tl.dot
-    tile); 16 when the value is wider than 256 (MLA's latent: a [16, 512] fp32 accumulator already fills
-    the registers)."""
-    cap = 16 if dv > 256 else 64
-    return min(cap, max(16, next_pow2(max_q_len * group)))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Public wrappers (naive-compatible signatures)
 # ----------------------------------------------------------------------------------------------------------
@@ -595,279 +469,14 @@ def paged_gqa_attention_triton(
     return attention_fwd(q, kv_cache[:, :, 0], kv_cache[:, :, 1], meta, scale, num_splits=num_splits, block_n=block_n)
 
 
-def absorb_weights(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
-    """kv_b [H*(nope+v), R] -> (W_UK [H, nope, R], W_UV [H, v, R]) views."""
-    w = kv_b_weight.view(num_heads, nope + v_dim, kv_b_weight.shape[-1])
-    return w[:, :nope], w[:, nope:]
-
-
-def mla_absorbed(
-    q: torch.Tensor,
-    latent_cache: torch.Tensor,
-    meta: AttnMeta,
-    kv_b_weight: torch.Tensor,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
-    scale: float,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """MLA in the weight-absorbed form: attention over the latent itself (one shared "KV head").
-
-    q_lat = q_nope . W_UK ([T, H, R]); scores = (q_lat . c_kv + q_pe . k_pe) * scale;
-    o_lat = softmax . c_kv ([T, H, R]); out = o_lat . W_UV^T ([T, H, v]). ``meta.group`` must be H.
-    """
-    h = q.shape[1]
-    w_uk, w_uv = absorb_weights(kv_b_weight, h, qk_nope_head_dim, v_head_dim)
-    q_nope, q_pe = q[..., :qk_nope_head_dim], q[..., qk_nope_head_dim:]
-    # [H, T, nope] @ [H, nope, R] -> [H, T, R]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1).contiguous()
-    q_pe = q_pe.contiguous()
-    lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]
-    o_lat = attention_fwd(
-        q_lat,
-        lat[..., :kv_lora_rank],
-        None,
-        meta,
-        scale,
-        q_b=q_pe,
-        k_b=lat[..., kv_lora_rank:],
-        num_splits=num_splits,
-        block_n=block_n,
-    )
-    # [H, T, R] @ [H, R, v] -> [H, T, v]
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
-
-
-def mla_expanded(
-    q: torch.Tensor,
-    latent: torch.Tensor,
-    meta: AttnMeta,
-    kv_b_weight: torch.Tensor,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
-    scale: float,
-) -> torch.Tensor:
-    """MLA in the expanded form over a *contiguous* latent [R_total, R + rope] (``meta.kv_start`` per sequence).
-
-    k_nope | v = c_kv . kv_b^T ([R_total, H, nope + v]); k_pe is read from the latent with head stride 0.
-    Cheaper than the absorbed form for long query chunks (see README.md).
-    """
-    h = q.shape[1]
-    kv = torch.nn.functional.linear(latent[:, :kv_lora_rank], kv_b_weight.to(latent.dtype))
-    kv = kv.view(latent.shape[0], h, qk_nope_head_dim + v_head_dim)
-    k_pe = latent[:, None, kv_lora_rank:].expand(latent.shape[0], h, latent.shape[1] - kv_lora_rank)
-    return attention_fwd(
-        q[..., :qk_nope_head_dim],
-        kv[..., :qk_nope_head_dim],
-        kv[..., qk_nope_head_dim:],
-        meta,
-        scale,
-        q_b=q[..., qk_nope_head_dim:],
-        k_b=k_pe,
-    )
-
-
-def gather_latent_rows(block_tables: torch.Tensor, context_lens: Sequence[int], page_size: int) -> torch.Tensor:
-    """Flat cache rows (page * page_size + offset) of every context token, sequences concatenated."""
-    device = block_tables.device
-    rows = []
-    for i, ctx in enumerate(context_lens):
-        n_pages = -(-ctx // page_size)
-        r = block_tables[i, :n_pages].to(torch.int64)[:, None] * page_size + torch.arange(page_size, device=device)
-        rows.append(r.reshape(-1)[:ctx])
-    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64, device=device)
-
-
-# A query chunk this long or longer uses the expanded form: the absorbed form does ~(R+rope+R)/(nope+rope+v)
-# = 3.4x the attention FLOPs, the expanded form pays R*H*(nope+v) per context token once (see README.md).
-MLA_EXPAND_MIN_Q_LEN = 192
-
-
-@dataclass
-class MLAPart:
-    """One launch of an MLA step: a subset of sequences in one form.
-
-    rows: their query rows in the batch (None: all rows, in order); meta: kernel metadata;
-    latent_rows: flat latent-cache rows of their contexts, sequences concatenated (expanded form only).
-    """
-
-    expanded: bool
-    rows: torch.Tensor | None
-    meta: AttnMeta
-    latent_rows: torch.Tensor | None
-
-
-def plan_mla(
-    query_start_loc: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: torch.Tensor,
-    num_heads: int,
-    page_size: int,
-    kv_lora_rank: int,
-    device: torch.device,
-    expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN,
-    q_pos0: Sequence[int] | None = None,
-    pos_stride: int = 1,
-) -> list[MLAPart]:
-    """Split a batch's sequences into an absorbed and an expanded launch (empty ones dropped).
-
-    ``block_tables`` is the packed [N, P] table (``pack_block_tables``). Built once per step and reused by
-    every MLA layer (``run_mla``). ``q_pos0`` / ``pos_stride``: strided query positions (``build_attn_meta``).
-    """
-    n = len(context_lens)
-    q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(n)]
-    use_expanded = [expand_min_q_len is not None and ql >= expand_min_q_len for ql in q_lens]
-    parts = []
-    for expanded in (False, True):
-        seqs = [i for i in range(n) if use_expanded[i] == expanded]
-        if not seqs:
-            continue
-        rows = None
-        if len(seqs) < n:
-            rows = torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]).to(device)
-        sub_ql = [q_lens[i] for i in seqs]
-        sub_ctx = [context_lens[i] for i in seqs]
-        sub_p0 = None if q_pos0 is None else [q_pos0[i] for i in seqs]
-        pos = dict(q_pos0=sub_p0, pos_stride=pos_stride)
-        sub_bt = block_tables if len(seqs) == n else block_tables[torch.tensor(seqs, device=block_tables.device)]
-        if expanded:
-            kv_start = [sum(sub_ctx[:j]) for j in range(len(seqs))]
-            meta = build_attn_meta(sub_ql, sub_ctx, 1, 64, device, kv_start=kv_start, **pos)
-            latent_rows = gather_latent_rows(sub_bt, sub_ctx, page_size)
-        else:
-            block_m = default_block_m(num_heads, max(sub_ql), kv_lora_rank)
-            meta = build_attn_meta(sub_ql, sub_ctx, num_heads, block_m, device, block_tables=sub_bt, **pos)
-            latent_rows = None
-        parts.append(MLAPart(expanded, rows, meta, latent_rows))
-    return parts
-
-
-def run_mla(
-    q: torch.Tensor,
-    latent_cache: torch.Tensor,
-    parts: Sequence[MLAPart],
-    kv_b_weight: torch.Tensor,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
-    scale: float,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """Run the launches of ``plan_mla`` for one layer -> [T, H, v_head_dim] in q's dtype."""
-    out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
-    for part in parts:
-        sub_q = q if part.rows is None else q[part.rows]
-        if part.expanded:
-            latent = latent_cache.view(-1, latent_cache.shape[-1])[part.latent_rows]
-            o = mla_expanded(sub_q, latent, part.meta, kv_b_weight, kv_lora_rank, qk_nope_head_dim, v_head_dim, scale)
-        else:
-            o = mla_absorbed(
-                sub_q,
-                latent_cache,
-                part.meta,
-                kv_b_weight,
-                kv_lora_rank,
-                qk_nope_head_dim,
-                v_head_dim,
-                scale,
-                num_splits=num_splits,
-                block_n=block_n,
-            )
-        if part.rows is None:
-            out.copy_(o)
-        else:
-            out[part.rows] = o.to(out.dtype)
-    return out
-
-
-def paged_mla_attention_triton(
-    q: torch.Tensor,
-    latent_cache: torch.Tensor,
-    query_start_loc: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: Sequence[torch.Tensor],
-    kv_b_weight: torch.Tensor,
-    kv_lora_rank: int,
-    qk_nope_head_dim: int,
-    v_head_dim: int,
-    scale: float,
-    expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-) -> torch.Tensor:
-    """MLA over a latent page cache; drop-in for ``naive.paged_mla_attention``.
-
-    Args:
-        q: [T, H, nope + rope] (rope part unrotated: Kimi-Linear is NoPE).
-        latent_cache: [num_pages, page_size, kv_lora_rank + rope] (normed c_kv | k_pe).
-        query_start_loc / context_lens / block_tables: as ``paged_gqa_attention_triton``.
-        kv_b_weight: [H * (nope + v), kv_lora_rank].
-        scale: (nope + rope)^-1/2 for Kimi-Linear (the unrotated rope dims count).
-        expand_min_q_len: sequences with at least this many query rows use the expanded form, the others
-            the absorbed form (None: always absorbed; 0: always expanded).
-        num_splits / block_n: tuning of the absorbed form (see ``paged_gqa_attention_triton``).
-    Returns: [T, H, v_head_dim] in q's dtype.
-    """
-    check_device("paged_mla_attention_triton", q, latent_cache, kv_b_weight)
-    h, rope = q.shape[1], latent_cache.shape[-1] - kv_lora_rank
-    if latent_cache.ndim != 3 or q.ndim != 3 or q.shape[-1] != qk_nope_head_dim + rope:
-        raise ValueError(f"q {tuple(q.shape)} / latent_cache {tuple(latent_cache.shape)} do not fit the MLA dims")
-    if kv_b_weight.shape != (h * (qk_nope_head_dim + v_head_dim), kv_lora_rank):
-        raise ValueError(f"kv_b_weight must be [{h * (qk_nope_head_dim + v_head_dim)}, {kv_lora_rank}]")
-    _check_varlen(q, query_start_loc, context_lens, block_tables)
-    bt = pack_block_tables(block_tables, q.device)
-    parts = plan_mla(
-        query_start_loc, context_lens, bt, h, latent_cache.shape[1], kv_lora_rank, q.device, expand_min_q_len
-    )
-    return run_mla(
-        q, latent_cache, parts, kv_b_weight, kv_lora_rank, qk_nope_head_dim, v_head_dim, scale, num_splits, block_n
-    )
-
-
-def plan_gqa(
-    query_start_loc: Sequence[int],
-    context_lens: Sequence[int],
-    block_tables: torch.Tensor,
-    group: int,
-    device: torch.device,
-    head_dim: int = 128,
-    q_pos0: Sequence[int] | None = None,
-    pos_stride: int = 1,
-) -> AttnMeta:
-    """Metadata of a GQA step (``block_tables`` packed [N, P]); built once per step, reused by every layer.
-    ``q_pos0`` / ``pos_stride``: strided query positions (``build_attn_meta``)."""
-    q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(context_lens))]
-    block_m = default_block_m(group, max(q_lens, default=0), head_dim)
-    return build_attn_meta(
-        q_lens, context_lens, group, block_m, device, block_tables=block_tables, q_pos0=q_pos0, pos_stride=pos_stride
-    )
-
-
-def attention_flops(q_lens: Sequence[int], context_lens: Sequence[int], heads: int, d_qk: int, d_v: int) -> float:
-    """Useful causal FLOPs (2 per MAC) of a varlen batch, for benchmarks."""
-    pairs = sum(ql * ctx - ql * (ql - 1) / 2 for ql, ctx in zip(q_lens, context_lens, strict=True))
-    return 2.0 * pairs * heads * (d_qk + d_v)
-
-
-__all__ = [
-    "MLA_EXPAND_MIN_Q_LEN",
+__all__ = [  # the metadata helpers are re-exported: the launcher and its planners are used together
     "AttnMeta",
-    "MLAPart",
     "attention_flops",
     "attention_fwd",
     "build_attn_meta",
+    "choose_splits",
     "default_block_m",
-    "gather_latent_rows",
-    "mla_absorbed",
-    "mla_expanded",
     "pack_block_tables",
     "paged_gqa_attention_triton",
-    "paged_mla_attention_triton",
     "plan_gqa",
-    "plan_mla",
-    "run_mla",
 ]

@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.paged_attention.meta import build_attn_meta, pack_block_tables, plan_gqa
+from kernels.paged_attention.mla import paged_mla_attention_triton, plan_mla, run_mla
 from kernels.paged_attention.naive import attention_at_positions, gather_pages, paged_gqa_attention, paged_mla_attention
-from kernels.paged_attention.triton import (
-    attention_fwd,
-    build_attn_meta,
-    pack_block_tables,
-    paged_gqa_attention_triton,
-    paged_mla_attention_triton,
-    plan_gqa,
-    plan_mla,
-    run_mla,
-)
+from kernels.paged_attention.triton import attention_fwd, paged_gqa_attention_triton
 from tests.kernels.helpers import DEVICE, assert_close, tol
 
 # (q_lens, context_lens): decode, first chunks (no prefix), later chunks over a cached prefix, and mixes.

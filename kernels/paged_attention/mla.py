@@ -1,0 +1,260 @@
+"""MLA over the latent page cache with the paged-attention kernel: the weight-absorbed form (decode, spec
+verify, short chunks) and the expanded form (long prefill chunks), planned per step (``plan_mla``) and run
+per layer (``run_mla``). Why two forms and where they cross over: README.md next to this file."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
+from kernels.paged_attention.triton import _check_varlen, attention_fwd
+from kernels.triton_utils import check_device
+
+
+def absorb_weights(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
+    """kv_b [H*(nope+v), R] -> (W_UK [H, nope, R], W_UV [H, v, R]) views."""
+    w = kv_b_weight.view(num_heads, nope + v_dim, kv_b_weight.shape[-1])
+    return w[:, :nope], w[:, nope:]
+
+
+def mla_absorbed(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttnMeta,
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """MLA in the weight-absorbed form: attention over the latent itself (one shared "KV head").
+
+    q_lat = q_nope . W_UK ([T, H, R]); scores = (q_lat . c_kv + q_pe . k_pe) * scale;
+    o_lat = softmax . c_kv ([T, H, R]); out = o_lat . W_UV^T ([T, H, v]). ``meta.group`` must be H.
+    """
+    h = q.shape[1]
+    w_uk, w_uv = absorb_weights(kv_b_weight, h, qk_nope_head_dim, v_head_dim)
+    q_nope, q_pe = q[..., :qk_nope_head_dim], q[..., qk_nope_head_dim:]
+    # [H, T, nope] @ [H, nope, R] -> [H, T, R]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1).contiguous()
+    q_pe = q_pe.contiguous()
+    lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]
+    o_lat = attention_fwd(
+        q_lat,
+        lat[..., :kv_lora_rank],
+        None,
+        meta,
+        scale,
+        q_b=q_pe,
+        k_b=lat[..., kv_lora_rank:],
+        num_splits=num_splits,
+        block_n=block_n,
+    )
+    # [H, T, R] @ [H, R, v] -> [H, T, v]
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
+
+
+def mla_expanded(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    meta: AttnMeta,
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """MLA in the expanded form over a *contiguous* latent [R_total, R + rope] (``meta.kv_start`` per sequence).
+
+    k_nope | v = c_kv . kv_b^T ([R_total, H, nope + v]); k_pe is read from the latent with head stride 0.
+    Cheaper than the absorbed form for long query chunks (see README.md).
+    """
+    h = q.shape[1]
+    kv = torch.nn.functional.linear(latent[:, :kv_lora_rank], kv_b_weight.to(latent.dtype))
+    kv = kv.view(latent.shape[0], h, qk_nope_head_dim + v_head_dim)
+    k_pe = latent[:, None, kv_lora_rank:].expand(latent.shape[0], h, latent.shape[1] - kv_lora_rank)
+    return attention_fwd(
+        q[..., :qk_nope_head_dim],
+        kv[..., :qk_nope_head_dim],
+        kv[..., qk_nope_head_dim:],
+        meta,
+        scale,
+        q_b=q[..., qk_nope_head_dim:],
+        k_b=k_pe,
+    )
+
+
+def gather_latent_rows(block_tables: torch.Tensor, context_lens: Sequence[int], page_size: int) -> torch.Tensor:
+    """Flat cache rows (page * page_size + offset) of every context token, sequences concatenated."""
+    device = block_tables.device
+    rows = []
+    for i, ctx in enumerate(context_lens):
+        n_pages = -(-ctx // page_size)
+        r = block_tables[i, :n_pages].to(torch.int64)[:, None] * page_size + torch.arange(page_size, device=device)
+        rows.append(r.reshape(-1)[:ctx])
+    return torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64, device=device)
+
+
+# A query chunk this long or longer uses the expanded form: the absorbed form does ~(R+rope+R)/(nope+rope+v)
+# = 3.4x the attention FLOPs, the expanded form pays R*H*(nope+v) per context token once (see README.md).
+MLA_EXPAND_MIN_Q_LEN = 192
+
+
+@dataclass
+class MLAPart:
+    """One launch of an MLA step: a subset of sequences in one form.
+
+    rows: their query rows in the batch (None: all rows, in order); meta: kernel metadata;
+    latent_rows: flat latent-cache rows of their contexts, sequences concatenated (expanded form only).
+    """
+
+    expanded: bool
+    rows: torch.Tensor | None
+    meta: AttnMeta
+    latent_rows: torch.Tensor | None
+
+
+def plan_mla(
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: torch.Tensor,
+    num_heads: int,
+    page_size: int,
+    kv_lora_rank: int,
+    device: torch.device,
+    expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN,
+    q_pos0: Sequence[int] | None = None,
+    pos_stride: int = 1,
+) -> list[MLAPart]:
+    """Split a batch's sequences into an absorbed and an expanded launch (empty ones dropped).
+
+    ``block_tables`` is the packed [N, P] table (``pack_block_tables``). Built once per step and reused by
+    every MLA layer (``run_mla``). ``q_pos0`` / ``pos_stride``: strided query positions (``build_attn_meta``).
+    """
+    n = len(context_lens)
+    q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(n)]
+    use_expanded = [expand_min_q_len is not None and ql >= expand_min_q_len for ql in q_lens]
+    parts = []
+    for expanded in (False, True):
+        seqs = [i for i in range(n) if use_expanded[i] == expanded]
+        if not seqs:
+            continue
+        rows = None
+        if len(seqs) < n:
+            rows = torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]).to(device)
+        sub_ql = [q_lens[i] for i in seqs]
+        sub_ctx = [context_lens[i] for i in seqs]
+        sub_p0 = None if q_pos0 is None else [q_pos0[i] for i in seqs]
+        pos = dict(q_pos0=sub_p0, pos_stride=pos_stride)
+        sub_bt = block_tables if len(seqs) == n else block_tables[torch.tensor(seqs, device=block_tables.device)]
+        if expanded:
+            kv_start = [sum(sub_ctx[:j]) for j in range(len(seqs))]
+            meta = build_attn_meta(sub_ql, sub_ctx, 1, 64, device, kv_start=kv_start, **pos)
+            latent_rows = gather_latent_rows(sub_bt, sub_ctx, page_size)
+        else:
+            block_m = default_block_m(num_heads, max(sub_ql), kv_lora_rank)
+            meta = build_attn_meta(sub_ql, sub_ctx, num_heads, block_m, device, block_tables=sub_bt, **pos)
+            latent_rows = None
+        parts.append(MLAPart(expanded, rows, meta, latent_rows))
+    return parts
+
+
+def run_mla(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    parts: Sequence[MLAPart],
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Run the launches of ``plan_mla`` for one layer -> [T, H, v_head_dim] in q's dtype."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
+    for part in parts:
+        sub_q = q if part.rows is None else q[part.rows]
+        if part.expanded:
+            latent = latent_cache.view(-1, latent_cache.shape[-1])[part.latent_rows]
+            o = mla_expanded(sub_q, latent, part.meta, kv_b_weight, kv_lora_rank, qk_nope_head_dim, v_head_dim, scale)
+        else:
+            o = mla_absorbed(
+                sub_q,
+                latent_cache,
+                part.meta,
+                kv_b_weight,
+                kv_lora_rank,
+                qk_nope_head_dim,
+                v_head_dim,
+                scale,
+                num_splits=num_splits,
+                block_n=block_n,
+            )
+        if part.rows is None:
+            out.copy_(o)
+        else:
+            out[part.rows] = o.to(out.dtype)
+    return out
+
+
+def paged_mla_attention_triton(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    query_start_loc: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[torch.Tensor],
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+    expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """MLA over a latent page cache; drop-in for ``naive.paged_mla_attention``.
+
+    Args:
+        q: [T, H, nope + rope] (rope part unrotated: Kimi-Linear is NoPE).
+        latent_cache: [num_pages, page_size, kv_lora_rank + rope] (normed c_kv | k_pe).
+        query_start_loc / context_lens / block_tables: as ``paged_gqa_attention_triton``.
+        kv_b_weight: [H * (nope + v), kv_lora_rank].
+        scale: (nope + rope)^-1/2 for Kimi-Linear (the unrotated rope dims count).
+        expand_min_q_len: sequences with at least this many query rows use the expanded form, the others
+            the absorbed form (None: always absorbed; 0: always expanded).
+        num_splits / block_n: tuning of the absorbed form (see ``paged_gqa_attention_triton``).
+    Returns: [T, H, v_head_dim] in q's dtype.
+    """
+    check_device("paged_mla_attention_triton", q, latent_cache, kv_b_weight)
+    h, rope = q.shape[1], latent_cache.shape[-1] - kv_lora_rank
+    if latent_cache.ndim != 3 or q.ndim != 3 or q.shape[-1] != qk_nope_head_dim + rope:
+        raise ValueError(f"q {tuple(q.shape)} / latent_cache {tuple(latent_cache.shape)} do not fit the MLA dims")
+    if kv_b_weight.shape != (h * (qk_nope_head_dim + v_head_dim), kv_lora_rank):
+        raise ValueError(f"kv_b_weight must be [{h * (qk_nope_head_dim + v_head_dim)}, {kv_lora_rank}]")
+    _check_varlen(q, query_start_loc, context_lens, block_tables)
+    bt = pack_block_tables(block_tables, q.device)
+    parts = plan_mla(
+        query_start_loc, context_lens, bt, h, latent_cache.shape[1], kv_lora_rank, q.device, expand_min_q_len
+    )
+    return run_mla(
+        q, latent_cache, parts, kv_b_weight, kv_lora_rank, qk_nope_head_dim, v_head_dim, scale, num_splits, block_n
+    )
+
+
+__all__ = [
+    "MLA_EXPAND_MIN_Q_LEN",
+    "MLAPart",
+    "absorb_weights",
+    "gather_latent_rows",
+    "mla_absorbed",
+    "mla_expanded",
+    "paged_mla_attention_triton",
+    "plan_mla",
+    "run_mla",
+]
