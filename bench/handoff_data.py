@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.mid.checkpoint import KIMI_LINEAR_SHAPES
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.fingerprint import Fingerprint
 from engine.forward_batch import ForwardBatch
@@ -33,25 +34,17 @@ def bench_config() -> ModelConfig:
     return ModelConfig(
         family="kimi_linear",
         architecture="KimiLinearForCausalLM",
-        vocab_size=163840,
-        hidden_size=2304,
+        **KIMI_LINEAR_SHAPES,
         num_hidden_layers=NUM_LAYERS,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         max_position_embeddings=1 << 20,
         layer_kinds=kinds,
         mlp_kinds=("moe",) * NUM_LAYERS,
-        intermediate_size=9216,
         bos_token_id=None,
         eos_token_ids=(),
         pad_token_id=None,
         torch_dtype="bfloat16",
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
         kda_num_heads=32,
         kda_head_dim=128,
         conv_kernel_size=4,

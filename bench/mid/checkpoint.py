@@ -41,6 +41,21 @@ class MidSpec:
     dtype: str = "bfloat16"
 
 
+KIMI_LINEAR_SHAPES = dict(
+    vocab_size=163840,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+)
+"""Kimi-Linear-48B's per-layer shapes (the names are both HF config keys and ModelConfig fields); KDA: 32 heads
+x 128 (``linear_attn_config``)."""
+
+
 def kimi_config(spec: MidSpec) -> dict[str, Any]:
     cfg = tm._kimi_config(spec.dtype)
     cfg["model_max_length"] = MAX_LEN
@@ -51,16 +66,8 @@ def kimi_config(spec: MidSpec) -> dict[str, Any]:
     if spec.tiny:
         return cfg
     cfg.update(
-        vocab_size=163840,
-        hidden_size=2304,
-        intermediate_size=9216,
+        **KIMI_LINEAR_SHAPES,
         moe_intermediate_size=1024,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
         num_experts=256,
         num_experts_per_token=8,
         num_shared_experts=1,

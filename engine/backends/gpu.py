@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from engine.backends.base import AttentionBackend, KDABackend, MLADims, MoEBackend
 from engine.backends.gpu_static import KDADecodeStep, static_attn_meta, static_mla_parts
+from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import chunk_kda_varlen, fused_recurrent_kda_slots
 from kernels.moe.grouped import grouped_moe
@@ -27,21 +27,6 @@ from kernels.paged_attention.triton import attention_fwd
 from kernels.short_conv.triton import short_conv_update
 
 logger = logging.getLogger(__name__)
-
-
-class _PerStep:
-    """Values derived from one ForwardBatch, computed once and shared by all layers of the step."""
-
-    def __init__(self) -> None:
-        self._batch: ForwardBatch | None = None
-        self._values: dict[Any, Any] = {}
-
-    def get(self, batch: ForwardBatch, key: Any, build: Callable[[], Any]) -> Any:
-        if batch is not self._batch:  # a new step (the old batch stays referenced, so identity is safe)
-            self._batch, self._values = batch, {}
-        if key not in self._values:
-            self._values[key] = build()
-        return self._values[key]
 
 
 def _kept_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -63,9 +48,9 @@ class GPUAttentionBackend(AttentionBackend):
 
     def __init__(self, mla_expand_min_q_len: int | None = MLA_EXPAND_MIN_Q_LEN) -> None:
         self.mla_expand_min_q_len = mla_expand_min_q_len
-        self._step = _PerStep()
+        self._step = PerStep()
 
-    def _tables(self, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    def block_tables(self, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
         return self._step.get(batch, "tables", lambda: pack_block_tables(batch.block_tables, device))
 
     def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
@@ -88,7 +73,7 @@ class GPUAttentionBackend(AttentionBackend):
             batch,
             ("gqa", group, d),
             lambda: plan_gqa(
-                batch.query_start_loc, batch.context_lens, self._tables(batch, q.device), group, q.device, d
+                batch.query_start_loc, batch.context_lens, self.block_tables(batch, q.device), group, q.device, d
             ),
         )
         return attention_fwd(q.contiguous(), cache[:, :, 0], cache[:, :, 1], meta, scale)
@@ -125,7 +110,7 @@ class GPUAttentionBackend(AttentionBackend):
             lambda: plan_mla(
                 batch.query_start_loc,
                 batch.context_lens,
-                self._tables(batch, q.device),
+                self.block_tables(batch, q.device),
                 h,
                 page_size,
                 dims.kv_lora_rank,
@@ -258,7 +243,7 @@ class GPUKDABackend(KDABackend):
     def __init__(self, chunk_fn: ChunkFn | None = None, exact_checkpoints: bool = False) -> None:
         self.chunk_fn = chunk_fn or chunk_kda_varlen
         self.exact_checkpoints = exact_checkpoints
-        self._step = _PerStep()
+        self._step = PerStep()
 
     def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep | KDADecodeStep:
         if batch.decode_meta is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from engine.backends.base import AttentionBackend, MLADims
+from engine.backends.per_step import PerStep
 from engine.backends.torch_ref import TorchAttentionBackend
 from engine.forward_batch import ForwardBatch
 from engine.parallel.groups import ParallelGroups
@@ -122,14 +123,10 @@ class PCPAttentionBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.fast = not isinstance(inner, TorchAttentionBackend)
-        self._step: tuple[ForwardBatch, dict] | None = None
+        self._step = PerStep()
 
-    def _per_step(self, batch: PCPForwardBatch, key: str, build: Callable[[], object]) -> object:
-        if self._step is None or self._step[0] is not batch:  # built once per step, shared by every layer
-            self._step = (batch, {})
-        if key not in self._step[1]:
-            self._step[1][key] = build()
-        return self._step[1][key]
+    def _queries(self, batch: PCPForwardBatch) -> LocalQueries:
+        return self._step.get(batch, "queries", lambda: local_queries(batch.full, batch.rows))
 
     def _fast_gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: PCPForwardBatch, scale: float) -> torch.Tensor:
         from kernels.paged_attention.meta import plan_gqa
@@ -137,14 +134,14 @@ class PCPAttentionBackend(AttentionBackend):
 
         full, rows = batch.full, batch.rows
         group, d = q.shape[1] // cache.shape[3], q.shape[-1]
-        lq = local_queries(full, rows)
-        meta = self._per_step(
+        lq = self._queries(batch)
+        meta = self._step.get(
             batch,
             "gqa",
             lambda: plan_gqa(
                 lq.qsl,
                 full.context_lens,
-                self.inner._tables(full, q.device),
+                self.inner.block_tables(full, q.device),
                 group,
                 q.device,
                 d,
@@ -168,14 +165,14 @@ class PCPAttentionBackend(AttentionBackend):
         from kernels.paged_attention.mla import plan_mla, run_mla
 
         full, rows = batch.full, batch.rows
-        lq = local_queries(full, rows)
-        parts = self._per_step(
+        lq = self._queries(batch)
+        parts = self._step.get(
             batch,
             "mla",
             lambda: plan_mla(
                 lq.qsl,
                 full.context_lens,
-                self.inner._tables(full, q.device),
+                self.inner.block_tables(full, q.device),
                 q.shape[1],
                 cache.shape[1],
                 dims.kv_lora_rank,

@@ -19,6 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from engine.backends.base import KDABackend
+from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
 from engine.parallel.kda_scan import ChunkFn, apply_initial_state, linear_segments, scan_states
 from engine.parallel.pcp import PCPForwardBatch
@@ -31,7 +32,7 @@ class PCPKDABackend(KDABackend):
         self.inner = inner
         # the inner backend's chunk kernel (fla's chunk_kda on the GPU); the reference chunk form otherwise
         self.chunk_fn: ChunkFn = getattr(inner, "chunk_fn", None) or naive_chunk_kda_varlen
-        self._step: tuple[ForwardBatch, SegmentBatch] | None = None
+        self._step = PerStep()
 
     # ---- layout -------------------------------------------------------------------------------------------
     def run_mixer(
@@ -41,11 +42,14 @@ class PCPKDABackend(KDABackend):
         full, groups = batch.full, batch.rows.groups
         if full.is_decode_only or any(full.checkpoints):
             return mixer(x, batch)  # the row layout
-        if self._step is None or self._step[0] is not full:  # planned once per step, for every KDA layer
+        rows = batch.rows
+
+        def plan() -> SegmentBatch:  # once per step, for every KDA layer
             with record_function("pcp.plan_segments"):
-                plan = plan_segments(full, batch.rows.size, batch.rows.rank, batch.rows.local_rows, x.device)
-                self._step = (full, segment_batch(full, plan, groups, x.device))
-        seg = self._step[1]
+                p = plan_segments(full, rows.size, rows.rank, rows.local_rows, x.device)
+                return segment_batch(full, p, groups, x.device)
+
+        seg = self._step.get(full, "segments", plan)
         assert seg.plan is not None
         with record_function("pcp.to_segments"):
             xs = seg.plan.to_segments.run(x, groups)
