@@ -320,6 +320,44 @@ def section_short_conv(rep: Report, quick: bool) -> None:
     rep.check("short_conv spec N=64 x 4 tokens: y", ref, out, ms, nbytes=2 * x.numel() * 2)
 
 
+def section_norms(rep: Report, quick: bool) -> None:
+    """fla's fused norms and KDA gate (engine/backends/norm.py, GPUKDABackend.gate) vs the references."""
+    from engine.backends.gpu import GPUKDABackend
+    from engine.backends.norm import FlaNormBackend, TorchNormBackend
+    from kernels.kda.naive import kda_gate
+
+    ref, fla = TorchNormBackend(), FlaNormBackend()
+    for t in (64, 8192):
+        for dt in (BF16, torch.float32):
+            x = torch.randn(t, 2304, device=DEV, dtype=dt)
+            r = torch.randn(t, 2304, device=DEV, dtype=dt)
+            w = (1 + 0.1 * torch.randn(2304, device=DEV)).to(dt)
+            name = f"T={t} {str(dt)[6:]}"
+            ms = timed(lambda: fla.rms_norm(x, w, 1e-6))  # noqa: B023
+            rep.check(
+                f"rms_norm {name}",
+                ref.rms_norm(x, w, 1e-6),
+                fla.rms_norm(x, w, 1e-6),
+                ms,
+                2 * x.numel() * x.element_size(),
+            )
+            y_ref, h_ref = ref.add_rms_norm(x, r, w, 1e-6)
+            y, h = fla.add_rms_norm(x, r, w, 1e-6)
+            rep.check(f"add_rms_norm {name}: sum", h_ref, h, exact=dt == torch.float32)
+            rep.check(f"add_rms_norm {name}: norm", y_ref, y)
+            o = torch.randn(t, 32, 128, device=DEV, dtype=dt)
+            gate = torch.randn(t, 32, 128, device=DEV, dtype=dt)
+            wg = (1 + 0.1 * torch.randn(128, device=DEV)).to(dt)
+            rep.check(
+                f"gated_rms_norm {name}", ref.gated_rms_norm(o, gate, wg, 1e-6), fla.gated_rms_norm(o, gate, wg, 1e-6)
+            )
+            g_raw = torch.randn(t, 32 * 128, device=DEV, dtype=dt) * 4
+            a_log = torch.randn(1, 1, 32, 1, device=DEV)
+            dt_bias = torch.randn(32 * 128, device=DEV)
+            want = kda_gate(g_raw, a_log, dt_bias, 128)
+            rep.check(f"kda_gate {name}", want, GPUKDABackend().gate(g_raw, a_log, dt_bias, 128), rel_tol=1e-3)
+
+
 def section_state_copy(rep: Report, quick: bool) -> None:
     from kernels.state_copy.naive import naive_copy_state_slots
     from kernels.state_copy.triton import copy_state_slots
@@ -595,6 +633,7 @@ SECTIONS = {
     "page_copy": section_page_copy,
     "short_conv": section_short_conv,
     "state_copy": section_state_copy,
+    "norms": section_norms,
     "moe": section_moe,
     "kda": section_kda,
     "backends": section_backends,

@@ -91,6 +91,7 @@ def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
         prof = profile.profiled(lambda: eng.generate([ids], one), dev)
     res["breakdown"][f"prefill {a.prefill[0]}"] = profile.breakdown(prof, dev)
     res["top_kernels"][f"prefill {a.prefill[0]}"] = profile.top_kernels(prof, dev)
+    res.setdefault("census", {})[f"prefill {a.prefill[0]}"] = profile.kernel_census(prof)
     for ctx in a.ctx:
         for b in a.batches:
             rids = tandem_bench.fill_decode_batch(eng, ctx, b)
@@ -115,6 +116,7 @@ def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: i
     bd = profile.breakdown(prof, eng.device, per=n)
     res["breakdown"][f"decode step b={b} ctx={ctx}"] = bd
     res["top_kernels"][f"decode b={b} ctx={ctx}"] = profile.top_kernels(prof, eng.device)
+    res.setdefault("census", {})[f"decode b={b} ctx={ctx}"] = profile.kernel_census(prof, per=n)
     gpu_ms, wall_ms = bd["total"], wall * 1e3
     res["overhead"] = {
         "batch": b,
@@ -127,25 +129,32 @@ def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: i
 
 
 def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
-    """Eager vs graph decode on the same engine and the same filled batches (needs engine graph support)."""
+    """Eager vs graph vs overlapped-graph decode on the same engine and the same filled batches."""
     graphs = getattr(eng.runner, "decode_graphs", None)
     if graphs is None:
         res["notes"].append("decode graphs: this engine has none (EngineConfig.cuda_graphs off or unsupported)")
         return
     if eng.device.type != "cuda":
         res["notes"].append("host run: the 'graph' columns are the padded static-buffer path run eagerly")
+    overlap = getattr(eng, "overlap", None)
+    modes = ("eager", "graph", "async") if overlap is not None else ("eager", "graph")
     for ctx in a.ctx:
         for b in a.batches:
             row: dict[str, Any] = {"ctx": ctx, "batch": b}
             toks, first = {}, {}
-            for mode in ("eager", "graph"):
-                graphs.enabled = mode == "graph"
+            for mode in modes:
+                graphs.enabled = mode != "eager"
+                eng.overlap = overlap if mode == "async" else None
                 rids = tandem_bench.fill_decode_batch(eng, ctx, b)
                 with tandem_bench.first_logits(eng) as seen:  # the first decode step, from the same state
                     t, toks[mode] = tandem_bench.decode_steps(eng, a.decode_steps)
-                first[mode] = seen[0]
+                if seen:
+                    first[mode] = seen[0]
                 row[f"{mode}_ms"] = t * 1e3
+                if mode == "async" and ctx == a.ctx[0] and b == max(a.batches):
+                    row["replay_ms"] = _replay_ms(graphs, eng.device)
                 tandem_bench.clear(eng, rids)
+                tandem_bench.drain(eng)
             # tokens can part on a near-tie (bf16 sums in another order); the first step's logits say whether
             # the two paths compute the same function: their gap against the top-1/top-2 margin
             diff = (first["eager"] - first["graph"]).abs().max().item()
@@ -156,22 +165,53 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
                 "min_top2_gap": (top2[:, 0] - top2[:, 1]).min().item(),
                 "argmax_equal": (first["eager"].argmax(-1) == first["graph"].argmax(-1)).float().mean().item(),
             }
-            pairs = [
-                (x, y) for s, r in zip(toks["eager"], toks["graph"], strict=True) for x, y in zip(s, r, strict=True)
-            ]
-            row["token_agreement"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+            for other in modes[1:]:
+                pairs = [
+                    (x, y) for s, r in zip(toks["eager"], toks[other], strict=True) for x, y in zip(s, r, strict=True)
+                ]
+                key = "token_agreement" if other == "graph" else f"token_agreement_{other}"
+                row[key] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+            if "async" in toks:  # the same kernels on the same batches: anything but 100 % is a bug
+                pairs = [
+                    (x, y) for s, r in zip(toks["graph"], toks["async"], strict=True) for x, y in zip(s, r, strict=True)
+                ]
+                row["token_agreement_async_vs_graph"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
             row["graph_stats"] = graphs.stats()
+            if overlap is not None:
+                row["overlap_stats"] = dict(overlap.counts)
             res["graphs"].append(row)
             o = res.get("overhead")
             if o and (o["ctx"], o["batch"]) == (ctx, b):  # same kernels: graph wall - eager kernel time
-                over = row["graph_ms"] - o["gpu_ms"]
-                res["overhead_graph"] = {**o, "wall_ms": row["graph_ms"], "overhead_ms": over}
-                res["overhead_graph"]["overhead_fraction"] = over / o["gpu_ms"] if o["gpu_ms"] else None
+                for mode in modes[1:]:
+                    over = row[f"{mode}_ms"] - o["gpu_ms"]
+                    key = "overhead_graph" if mode == "graph" else f"overhead_{mode}"
+                    res[key] = {**o, "wall_ms": row[f"{mode}_ms"], "overhead_ms": over}
+                    res[key]["overhead_fraction"] = over / o["gpu_ms"] if o["gpu_ms"] else None
+                    if row.get("replay_ms"):  # against the graph's own GPU time, gaps between kernels included
+                        res[key]["replay_ms"] = row["replay_ms"]
+                        res[key]["overhead_vs_replay"] = (row[f"{mode}_ms"] - row["replay_ms"]) / row["replay_ms"]
             print(
-                f"graphs ctx {ctx} batch {b}: eager {row['eager_ms']:.2f} ms, graph {row['graph_ms']:.2f} ms",
+                f"graphs ctx {ctx} batch {b}: " + ", ".join(f"{m} {row[f'{m}_ms']:.2f} ms" for m in modes),
                 flush=True,
             )
     graphs.enabled = True
+    eng.overlap = overlap
+
+
+def _replay_ms(graphs: Any, device: torch.device, n: int = 20) -> float | None:
+    """Back-to-back replays of the largest captured graph: the step's GPU time with no host in between
+    (rewrites the running batch's newest KV row and advances its KDA state: timing only, the batch is
+    cleared after)."""
+    if not graphs._graphs:
+        return None
+    graph = graphs._graphs[max(graphs._graphs)][0]
+    graph.replay()
+    tandem_bench.sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    tandem_bench.sync(device)
+    return (time.perf_counter() - t0) / n * 1e3
 
 
 def run_hf(a: argparse.Namespace, res: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
@@ -236,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-decode-steps", type=int, default=5)
     p.add_argument("--hf-max-decode-tokens", type=int, default=1 << 21)
     p.add_argument("--no-graphs", action="store_true", help="skip the eager-vs-graph decode comparison")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help="default: bf16 on CUDA")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     if a.merge:
@@ -245,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     _defaults(a, cuda)
     a.model_dir = a.model_dir or Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
-    dtype_name = "bfloat16" if cuda else "float32"
+    dtype_name = a.dtype or ("bfloat16" if cuda else "float32")
     t0 = time.perf_counter()
     write_mid_model(a.model_dir, MidSpec("kimi_linear", a.layers, a.tiny))
     res: dict[str, Any] = {
@@ -264,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         res["notes"].append("host run: ceilings, MFU and roofline ratios are CPU numbers, only the plumbing is checked")
     if "tandem" in a.parts:
-        graphs = {"cuda_graphs": not a.no_graphs} if _has_graph_flag() else {}
+        graphs = {"cuda_graphs": not a.no_graphs, "async_scheduling": not a.no_graphs} if _has_graph_flag() else {}
         eng = _engine(a, device.type, dtype_name, **graphs)
         run_tandem(a, eng, res)
         if not a.no_graphs:

@@ -87,6 +87,11 @@ class EngineConfig:
     """Run pure-decode steps on static padded buffers, captured as CUDA graphs per batch size (vLLM's
     default; off here until validated on the GPU). On the host the same padded path runs eagerly. One page
     and one KDA slot are reserved as the padding rows' scratch. Single-process engines only."""
+    async_scheduling: bool = False
+    """Overlap a pure-decode step's host work with the previous step's GPU work (vLLM's async scheduling):
+    the next step is launched with the previous step's ids still on the device (engine/overlap.py). Needs
+    cuda_graphs (the static-buffer step); steps with sampled rows, logprobs, arrivals or rung checkpoints
+    run in sequence as before."""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded batch sizes with a graph (default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); larger
     decode batches run eagerly."""
@@ -107,5 +112,11 @@ class EngineConfig:
             not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1
         ):
             raise ValueError(f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes} must be positive sizes")
+        if self.async_scheduling and not self.cuda_graphs:
+            raise ValueError(
+                "async_scheduling needs cuda_graphs (the overlapped step is the static-buffer decode step)"
+            )
+        if self.async_scheduling and self.speculative.enabled:
+            raise ValueError("async_scheduling with speculative decoding is not supported: verify steps need the host")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")

@@ -26,6 +26,7 @@ from engine.loader import load_model, resolve_dtype
 from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
 from engine.models.base import CausalLM
+from engine.overlap import OverlapDecoder
 from engine.request import Request, TokenLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -116,6 +117,9 @@ class LLMEngine:
         self.runner = self._make_runner()
         self.drafter = build_drafter(config.speculative, self.model, self.model_config, self.dtype, self.device)
         self.sampler = Sampler(config.seed)
+        self.overlap: OverlapDecoder | None = None
+        if config.async_scheduling and self.runner.decode_graphs is not None:
+            self.overlap = OverlapDecoder(self.runner.decode_graphs, self.scheduler, self.device)
         self._requests: dict[str, Request] = {}
         self._reservations: dict[str, ImportReservation] = {}
         self._aux_requests: dict[int, int] = {}
@@ -315,7 +319,7 @@ class LLMEngine:
             self._requests.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.overlap is not None and self.overlap.inflight is not None)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
@@ -344,10 +348,22 @@ class LLMEngine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None and self.overlap.inflight is not None:
+            chunks, sampled = self.overlap.advance()  # launches the next step first when it can
+            return self._postprocess(SchedulerOutput(chunks), sampled, {})
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if self.overlap is not None and self.overlap.accepts(sched.chunks):
+            self.overlap.start(sched.chunks)
+            _, sampled = self.overlap.advance()
+            return self._postprocess(sched, sampled, {})
         sampled, aux_rows = self._execute(sched)
+        return self._postprocess(sched, sampled, aux_rows)
+
+    def _postprocess(
+        self, sched: SchedulerOutput, sampled: dict[str, SampleResult], aux_rows: dict[str, int]
+    ) -> list[RequestOutput]:
         updated = self.scheduler.postprocess(sched, sampled)
         if self.scheduler.filed_pages or self.scheduler.filed_checkpoints:
             pages, ckpts = self.scheduler.filed_pages, self.scheduler.filed_checkpoints

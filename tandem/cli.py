@@ -41,6 +41,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="capture pure-decode steps as CUDA graphs per padded batch size (single-rank engines; off by default "
         "until validated: docs/PERFORMANCE.md)",
     )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="with --cuda-graphs: launch each pure-decode step before the previous step's ids reach the host, "
+        "overlapping host work with GPU work (greedy rows; others run in sequence)",
+    )
     p.add_argument("--pcp", type=int, default=1, help="prefill context-parallel ranks (prefill workers)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, at most 8")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (decode workers)")
@@ -65,6 +71,7 @@ def engine_config_from_args(a: argparse.Namespace):
         enable_prefix_caching=a.enable_prefix_caching,
         kda_checkpoint_pages=a.kda_checkpoint_pages,
         cuda_graphs=a.cuda_graphs,
+        async_scheduling=a.async_scheduling,
         load_progress=True,
         parallel=ParallelConfig(pcp=a.pcp, pp=a.pp, tp=a.tp, pp_microbatches=a.pp_microbatches),
     )

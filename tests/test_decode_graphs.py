@@ -38,9 +38,12 @@ def test_static_decode_is_token_identical(model_dir, n_prompts):
 def test_padding_rows_write_only_scratch(model_dir):
     """Every page and slot outside the reserved scratch pair holds what the normal path left there (up to
     fp32 rounding: the padded batch has more GEMM rows); a padding write would leave an O(1) difference."""
-    prompts = random_prompts(3, [12, 30, 7])
-    _, ref = _generate(model_dir, prompts)
-    _, eng = _generate(model_dir, prompts, cuda_graphs=True)
+    # seed 1: every greedy step's top-1/top-2 logit gap is >= 1e-2 for both models (seed 0 has an 8e-6
+    # near-tie in Qwen3, which the padded batch's GEMM rounding flips on some CPUs)
+    prompts = random_prompts(3, [12, 30, 7], seed=1)
+    want, ref = _generate(model_dir, prompts)
+    got, eng = _generate(model_dir, prompts, cuda_graphs=True)
+    assert got == want  # the caches below are comparable only along the same tokens
     pad = eng.runner.decode_graphs.buffers.pad
     for layer, kv in eng.cache.kv.items():
         keep = [p for p in range(kv.shape[0]) if p != pad.page]

@@ -107,3 +107,26 @@ def top_kernels(prof: profile, device: torch.device, rows: int = 15) -> str:
         except Exception:
             continue
     return ""
+
+
+def kernel_census(prof: profile, per: int = 1, rows: int = 25) -> dict[str, Any]:
+    """How many GPU kernels a step launches and which ops launch them: in a CUDA graph every one is a node
+    with its own launch gap, so the count (not only the kernels' time) sets the step's floor."""
+    from collections import Counter
+
+    kernels, kernel_us, by_op = Counter(), Counter(), Counter()
+    for e in prof.events():
+        dev = getattr(e, "device_type", DeviceType.CPU)
+        if dev == DeviceType.CPU:
+            n = len(getattr(e, "kernels", []) or [])
+            if n and not e.name.startswith(PREFIX):
+                by_op[e.name] += n
+        elif not e.name.startswith(PREFIX):
+            kernels[e.name[:90]] += 1
+            kernel_us[e.name[:90]] += _get(e, "device_time_total", "cuda_time_total")
+    return {
+        "kernels_per_step": sum(kernels.values()) / per,
+        "kernel_us_per_step": sum(kernel_us.values()) / per,
+        "by_kernel": [(k, c / per, kernel_us[k] / per) for k, c in kernels.most_common(rows)],
+        "by_op": [(k, c / per) for k, c in by_op.most_common(rows)],
+    }

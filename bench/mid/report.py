@@ -106,12 +106,19 @@ def render(res: dict[str, Any]) -> str:
             _f(o["gpu_ms"]),
             _f(o["overhead_ms"]),
             _f(o["overhead_fraction"], ".1%"),
+            _f(o.get("replay_ms")),
+            _f(o.get("overhead_vs_replay"), ".1%"),
         ]
-        for mode, o in (("eager", res.get("overhead")), ("CUDA graph", res.get("overhead_graph")))
+        for mode, o in (
+            ("eager", res.get("overhead")),
+            ("CUDA graph", res.get("overhead_graph")),
+            ("CUDA graph, overlapped", res.get("overhead_async")),
+        )
         if o
     ]
     if rows:
         head = ["decode", "batch", "ctx", "step wall ms", "GPU kernel ms", "host overhead ms", "overhead / GPU"]
+        head += ["graph replay ms", "(wall - replay) / replay"]
         parts.append(_table(head, rows))
     g = res.get("graphs")
     if g:
@@ -123,11 +130,13 @@ def render(res: dict[str, Any]) -> str:
                 _f(r["graph_ms"]),
                 _f(r["eager_ms"] / r["graph_ms"] if r.get("graph_ms") else None),
                 _f(r["token_agreement"], ".1%"),
+                _f(r.get("async_ms")),
+                _f(r.get("token_agreement_async"), ".1%"),
                 *_first_step(r.get("first_step_logits")),
             ]
             for r in g
         ]
-        head = ["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal"]
+        head = ["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal", "overlapped ms", "tokens equal"]
         head += ["step-1 max logit diff", "step-1 min top-2 gap", "step-1 argmax equal"]
         parts.append(_table(head, rows))
     for note in res.get("notes", []):

@@ -94,6 +94,12 @@ def clear(eng: LLMEngine, rids: list[str]) -> None:
         eng.abort_request(r)
 
 
+def drain(eng: LLMEngine) -> None:
+    """Finish an overlapped step still in flight (its requests were aborted: it returns nothing)."""
+    while getattr(eng, "overlap", None) is not None and eng.overlap.inflight is not None:
+        eng.step()
+
+
 def decode_steps(eng: LLMEngine, steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
     """Mean wall seconds of a decode-only step (sampling included), and the tokens each step produced."""
     for _ in range(warmup):

@@ -1,4 +1,4 @@
-"""Pluggable compute backends for attention, KDA and MoE.
+"""Pluggable compute backends for attention, KDA, MoE and norms.
 
 Model code calls these interfaces only; the reference (PyTorch, any device) implementation
 defines the contract and the GPU path drops in faster ones without touching the models.
@@ -6,11 +6,12 @@ defines the contract and the GPU path drops in faster ones without touching the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.backends.base import AttentionBackend, KDABackend, MoEBackend
+from engine.backends.norm import TorchNormBackend
 from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
 
 
@@ -19,6 +20,7 @@ class Backends:
     attention: AttentionBackend
     kda: KDABackend
     moe: MoEBackend
+    norm: TorchNormBackend = field(default_factory=TorchNormBackend)
 
 
 def select_backends(device: torch.device) -> Backends:
@@ -45,8 +47,9 @@ def select_backends(device: torch.device) -> Backends:
         return Backends(GPUAttentionBackend(), GPUKDABackend(chunk_fn=naive_chunk_kda_varlen), GPUMoEBackend())
     if device.type == "cuda" and choice != "torch":
         from engine.backends.gpu import GPUAttentionBackend, GPUMoEBackend, gpu_kda_backend
+        from engine.backends.norm import gpu_norm_backend
 
-        return Backends(GPUAttentionBackend(), gpu_kda_backend(), GPUMoEBackend())
+        return Backends(GPUAttentionBackend(), gpu_kda_backend(), GPUMoEBackend(), gpu_norm_backend())
     return Backends(TorchAttentionBackend(), TorchKDABackend(), TorchMoEBackend())
 
 

@@ -50,6 +50,13 @@ class KDABackend(ABC):
         run it over another row layout and return x's (PCP: contiguous segments, engine/parallel/pcp_kda.py)."""
         return mixer(x, batch)
 
+    def gate(self, g_raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """Log-space channel decay [T, H, K] fp32 from the gate projection g_raw [T, H*K]
+        (contract: kernels/kda/naive.kda_gate)."""
+        from kernels.kda.naive import kda_gate
+
+        return kda_gate(g_raw, a_log, dt_bias, head_dim)
+
     @abstractmethod
     def short_conv(
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch

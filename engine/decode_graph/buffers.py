@@ -19,12 +19,44 @@ class PadTargets:
     slot: int
 
 
+class _Staging:
+    """Host side of one step's inputs: the rows, the block-table mirror and what each mirrored row holds.
+
+    Copies to the device are stream-ordered (non-blocking from pinned memory), so a staging buffer must not
+    be rewritten until its copy has run: with overlapped decode the next step is filled while the previous
+    one may still be queued. Two buffers alternate; `ready` is recorded after a buffer's copies.
+    """
+
+    def __init__(self, max_batch: int, max_pages: int, pin: bool) -> None:
+        # ids, positions, kv rows, context lens, slots, carried-from rows (-1: the id is in row 0)
+        self.rows = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.tables = torch.zeros(max_batch, max_pages, dtype=torch.int32, pin_memory=pin)
+        self.owner: list[tuple[str, int, int, int, int] | None] = [None] * max_batch
+        """Per row, what `tables` holds: (request id, preemptions, pages, first page, last page)."""
+        self.ready = torch.cuda.Event() if pin else None
+
+    def table_row(self, i: int, pages: list[int] | None, key: tuple[str, int] | None, pad_page: int) -> None:
+        if pages is None:  # padding
+            self.owner[i] = None
+            self.tables[i, 0] = pad_page
+            return
+        owner = self.owner[i]
+        have = owner[2] if owner is not None and owner[:2] == key and owner[2] <= len(pages) else 0
+        if have and (owner[3] != pages[0] or owner[4] != pages[have - 1]):
+            have = 0  # not the page list we mirrored (a reused request id): rewrite the row
+        if have < len(pages):
+            self.tables[i, have : len(pages)] = torch.tensor(pages[have:], dtype=torch.int32)
+        self.owner[i] = (*key, len(pages), pages[0], pages[-1])
+
+
 class StaticDecodeBuffers:
     """Inputs of a decode step at the largest batch size; smaller graphs use leading views.
 
-    Rows are written from one host staging tensor with one host-to-device copy (pinned on CUDA). Block
+    Rows are written from a host staging tensor with one host-to-device copy (pinned on CUDA). Block
     tables have a host mirror updated incrementally: during decode a request's page list only grows, so a
-    row that holds the same request as last step gets only its new pages.
+    row that holds the same request as last time gets only its new pages. A row's input id may instead be
+    *carried*: taken on the device from the previous step's sampled ids (overlapped decode, engine/overlap.py),
+    when the host does not know it yet.
     """
 
     def __init__(self, max_batch: int, max_pages: int, page_size: int, pad: PadTargets, device: torch.device) -> None:
@@ -36,16 +68,15 @@ class StaticDecodeBuffers:
             device,
         )
         pin = device.type == "cuda"
-        self.rows = torch.zeros(5, max_batch, dtype=torch.int64, device=device)  # ids, pos, kv row, ctx, slot
-        self.rows_host = torch.zeros(5, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.rows = torch.zeros(6, max_batch, dtype=torch.int64, device=device)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.state_slots = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device)
-        self.tables_host = torch.zeros(max_batch, max_pages, dtype=torch.int32, pin_memory=pin)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
-        self._row_owner: list[tuple[str, int, int] | None] = [None] * max_batch  # (request id, preemptions, pages)
+        self._staging = [_Staging(max_batch, max_pages, pin) for _ in range(2 if pin else 1)]
+        self._next = 0
 
     def meta(self, bs: int, bucket: int) -> DecodeMeta:
         return DecodeMeta(
@@ -58,43 +89,53 @@ class StaticDecodeBuffers:
             has_initial_state=self.has_initial_state[:bs],
         )
 
-    def _table_row(self, i: int, pages: list[int] | None, key: tuple[str, int] | None) -> None:
-        if pages is None:  # padding
-            if self._row_owner[i] is not None:
-                self._row_owner[i] = None
-            self.tables_host[i, 0] = self.pad.page
-            return
-        owner = self._row_owner[i]
-        have = owner[2] if owner is not None and owner[:2] == key and owner[2] <= len(pages) else 0
-        if have and (int(self.tables_host[i, 0]) != pages[0] or int(self.tables_host[i, have - 1]) != pages[have - 1]):
-            have = 0  # not the page list we mirrored (a reused request id): rewrite the row
-        if have < len(pages):
-            self.tables_host[i, have : len(pages)] = torch.tensor(pages[have:], dtype=torch.int32)
-        self._row_owner[i] = (*key, len(pages))
-
-    def fill(self, chunks: list[ScheduledChunk], bs: int, bucket: int) -> list[list[int]]:
+    def fill(
+        self,
+        chunks: list[ScheduledChunk],
+        bs: int,
+        bucket: int,
+        carried: list[int] | None = None,
+        sampled: torch.Tensor | None = None,
+    ) -> list[list[int]]:
         """Write the step's rows (padding after the real ones) to the device; returns the host rows
-        [ids, positions, kv rows, context lens, slots] for the eager path's host lists."""
-        ps, n = self.page_size, len(chunks)
+        [ids, positions, kv rows, context lens, slots] for the eager path's host lists. Row i with
+        carried[i] >= 0 takes its input id from sampled[carried[i]] on the device (its host id is 0)."""
+        if carried is not None and sampled is None:
+            raise ValueError("carried input ids need the previous step's sampled ids")
+        stage = self._staging[self._next]
+        self._next = (self._next + 1) % len(self._staging)
+        if stage.ready is not None:
+            stage.ready.synchronize()  # its last copies ran (long ago: two steps back)
+        ps, n, pad = self.page_size, len(chunks), self.pad
         ids, pos, kv, ctx, slots = ([0] * bs for _ in range(5))
+        src = [-1] * bs
         n_pages = -(-bucket // ps)
         for i, c in enumerate(chunks):
             req, p = c.request, c.start
-            n_prompt = len(req.prompt_token_ids)
-            ids[i] = req.prompt_token_ids[p] if p < n_prompt else req.output_token_ids[p - n_prompt]
+            if carried is not None and carried[i] >= 0:
+                src[i] = carried[i]
+            else:
+                n_prompt = len(req.prompt_token_ids)
+                ids[i] = req.prompt_token_ids[p] if p < n_prompt else req.output_token_ids[p - n_prompt]
             pos[i], ctx[i] = p, p + 1
             kv[i] = req.page_ids[p // ps] * ps + p % ps
-            slots[i] = req.slot_ids[0] if req.slot_ids else self.pad.slot
+            slots[i] = req.slot_ids[0] if req.slot_ids else pad.slot
             used = -(-(p + 1) // ps)
-            self._table_row(i, req.page_ids[:used], (req.request_id, req.num_preemptions))
+            stage.table_row(i, req.page_ids[:used], (req.request_id, req.num_preemptions), pad.page)
         for i in range(n, bs):
-            kv[i], ctx[i], slots[i] = self.pad.page * ps, 1, self.pad.slot
-            self._table_row(i, None, None)
-        self.rows_host[:, :bs] = torch.tensor([ids, pos, kv, ctx, slots], dtype=torch.int64)
-        self.rows[:, :bs].copy_(self.rows_host[:, :bs], non_blocking=True)
+            kv[i], ctx[i], slots[i] = pad.page * ps, 1, pad.slot
+            stage.table_row(i, None, None, pad.page)
+        stage.rows[:, :bs] = torch.tensor([ids, pos, kv, ctx, slots, src], dtype=torch.int64)
+        self.rows[:, :bs].copy_(stage.rows[:, :bs], non_blocking=True)
+        self.block_tables[:bs, :n_pages].copy_(stage.tables[:bs, :n_pages], non_blocking=True)
+        if stage.ready is not None:
+            stage.ready.record()
+        if carried is not None:
+            from_prev = self.rows[5, :bs]
+            taken = sampled[from_prev.clamp(min=0)]
+            self.rows[0, :bs].copy_(torch.where(from_prev >= 0, taken, self.rows[0, :bs]))
         self.context_lens[:bs].copy_(self.rows[3, :bs])
         self.state_slots[:bs].copy_(self.rows[4, :bs])
-        self.block_tables[:bs, :n_pages].copy_(self.tables_host[:bs, :n_pages], non_blocking=True)
         return [ids, pos, kv, ctx, slots]
 
     def batch(self, meta: DecodeMeta, host: list[list[int]] | None) -> ForwardBatch:

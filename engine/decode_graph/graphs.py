@@ -77,9 +77,12 @@ class DecodeGraphs:
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run(
+        self, chunks: list[ScheduledChunk], carried: list[int] | None = None, sampled: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [len(chunks), V] fp32, in chunk order (a view into a static buffer on the graph path:
-        valid until the next step)."""
+        valid until the next step). carried / sampled: input ids still on the device
+        (StaticDecodeBuffers.fill)."""
         n = len(chunks)
         bs = next(s for s in self.batch_sizes if s >= n)
         bucket = context_bucket(max(c.start + 1 for c in chunks), self.page_size, self.max_context)
@@ -88,12 +91,12 @@ class DecodeGraphs:
             entry = self._graphs.get((bs, bucket)) or self._capture(bs, bucket)
             if entry is not None:
                 graph, logits, _ = entry
-                self.buffers.fill(chunks, bs, bucket)
+                self.buffers.fill(chunks, bs, bucket, carried, sampled)
                 graph.replay()
                 self.counts["graph_steps"] += 1
                 self._copy_checkpoints(chunks)
                 return logits[:n]
-        host = self.buffers.fill(chunks, bs, bucket)
+        host = self.buffers.fill(chunks, bs, bucket, carried, sampled)
         batch = self.buffers.batch(self.buffers.meta(bs, bucket), host)
         logits = self._forward(batch)
         self.counts["eager_static_steps"] += 1

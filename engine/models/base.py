@@ -54,7 +54,7 @@ class CausalLM(nn.Module):
                 hook(i, batch)
         if self.aux_layer_ids:
             self.aux_states = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
-        return self.model.norm(h)
+        return self.model.norm(h, self.backends)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -18,7 +18,6 @@ from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.layers import GatedMLP, GatedRMSNorm, RMSNorm
-from kernels.kda.naive import kda_gate
 
 
 class KimiDeltaAttention(nn.Module):
@@ -58,11 +57,11 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
         qkv = be.kda.short_conv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)
         q, k, v = (z.reshape(t, h, hd) for z in qkv.chunk(3, dim=-1))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, hd)  # [T, H, K]
+        g = be.kda.gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, hd)  # [T, H, K] fp32
         beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         o = be.kda.recurrence(q, k, v, g, beta, cache.recurrent[self.layer_idx], batch).to(x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, hd)
-        return self.o_proj(self.o_norm(o, gate).reshape(t, h * hd))
+        return self.o_proj(self.o_norm(o, gate, be).reshape(t, h * hd))
 
 
 class KimiMLAAttention(nn.Module):
@@ -87,7 +86,7 @@ class KimiMLAAttention(nn.Module):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, -1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.dims.kv_lora_rank, self.dims.qk_rope_head_dim], -1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv, be), k_pe], dim=-1)
         kv_pages = cache.kv[self.layer_idx]
         be.attention.write_kv(kv_pages, batch, latent)
         o = be.attention.mla(q, kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale)
@@ -135,8 +134,7 @@ class KimiDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, cache, be)
-        x = self.post_attention_layernorm(h)
+        x, h = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(h, be), batch, cache, be), h, be)
         return h + (self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x))
 
 

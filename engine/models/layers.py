@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.norm import TorchNormBackend
+
+if TYPE_CHECKING:
+    from engine.backends import Backends
+
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the math is the norm backend's (engine/backends/norm.py), the reference without one."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
+        return _norms(be).rms_norm(x, self.weight, self.eps)
+
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, be: Backends | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual add fused into the norm where the backend can."""
+        return _norms(be).add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -28,11 +40,15 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf * torch.sigmoid(gate.float())).to(dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
+        return _norms(be).gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+_REFERENCE = TorchNormBackend()
+
+
+def _norms(be: Backends | None) -> TorchNormBackend:
+    return be.norm if be is not None else _REFERENCE
 
 
 class GatedMLP(nn.Module):

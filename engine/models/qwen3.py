@@ -33,8 +33,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim), be)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), be)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, batch.positions)
         kv_pages = cache.kv[self.layer_idx]
@@ -52,8 +52,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, cache, be)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(h, be), batch, cache, be), h, be)
+        return h + self.mlp(x)
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -34,6 +34,9 @@ class PCPKDABackend(KDABackend):
         self.chunk_fn: ChunkFn = getattr(inner, "chunk_fn", None) or naive_chunk_kda_varlen
         self._step = PerStep()
 
+    def gate(self, g_raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+        return self.inner.gate(g_raw, a_log, dt_bias, head_dim)  # row-wise: any layout
+
     # ---- layout -------------------------------------------------------------------------------------------
     def run_mixer(
         self, mixer: Callable[[torch.Tensor, ForwardBatch], torch.Tensor], x: torch.Tensor, batch: ForwardBatch

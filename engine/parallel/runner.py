@@ -109,7 +109,7 @@ class StageRunner:
         return h[idx]
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = self.model.lm_head(self.model.model.norm(rows)).float()
+        logits = self.model.lm_head(self.model.model.norm(rows, self.model.backends)).float()
         if self.stage.tp.shard_lm_head:  # [tp, S, V / tp] -> [S, V]
             logits = self.groups.all_gather(logits).permute(1, 0, 2).reshape(rows.shape[0], -1)
         for hook in self.logits_hooks:

@@ -1,0 +1,68 @@
+"""RMSNorm in its three uses: plain, fused with the residual add before it, and gated (KDA's output norm).
+
+``TorchNormBackend`` is the reference (HF numerics: normalise in fp32, cast, scale by the weight). On CUDA,
+``FlaNormBackend`` runs fla-core's fused Triton norms: one kernel per norm instead of six or seven
+elementwise launches, and the residual add folded into the following norm (vLLM's fused_add_rms_norm).
+Inside a CUDA graph decode step every launch costs a graph node, so the count matters as much as the bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TorchNormBackend:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x)."""
+        h = residual + x
+        return self.rms_norm(h, weight, eps), h
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(x) * w * sigmoid(gate), all in fp32, cast back to x's dtype."""
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.float() * xf * torch.sigmoid(gate.float())).to(dtype)
+
+
+class FlaNormBackend(TorchNormBackend):
+    """fla-core's fused norms (fla.modules.norm); CUDA tensors only, the reference otherwise."""
+
+    def __init__(self) -> None:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm
+
+        self._rms_norm, self._rms_norm_gated = rms_norm, rms_norm_gated
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not x.is_cuda:
+            return super().rms_norm(x, weight, eps)
+        return self._rms_norm(x, weight, None, eps=eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not x.is_cuda:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return self._rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not x.is_cuda:
+            return super().gated_rms_norm(x, gate, weight, eps)
+        return self._rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
+
+
+def gpu_norm_backend() -> TorchNormBackend:
+    """fla's fused norms when fla-core imports, else the reference (the KDA backend warns about fla)."""
+    try:
+        return FlaNormBackend()
+    except ImportError:
+        return TorchNormBackend()
