@@ -6,14 +6,16 @@ pure-decode step N is on the stream, step N+1 is put behind it at once, its inpu
 device from N's argmax (StaticDecodeBuffers.fill, `carried`). Only then does the host wait for N's ids and
 post-process them, while N+1 runs. Each `LLMEngine.step()` still returns one step's outputs.
 
-Step N+1 continues step N only when nothing else could change the batch: no request waits, every running
-request was in N, no rung checkpoint is pending or due, every row is greedy without logprobs (the ids are
-argmaxes on the device, as the sampler takes them), and pages for the next token can be reserved. Otherwise
-N is drained and the next step is scheduled as usual. A request that stops by length at N is left out of
-N+1. One that stops on EOS at N (unknown when N+1 is launched) computes one more row in N+1, dropped by
-post-processing; its pages and slot are freed after N+1 was enqueued, and every later user of them is
-enqueued after N+1 on the same stream. So the tokens are the sequential engine's: the same argmax of the
-same logits.
+Step N+1 continues step N only when nothing else could change the batch: no request waits for a prefill,
+a request that joined the running set between the steps is ready to decode (a P/D import: its first token is
+on the host, so its row takes the host id), no rung checkpoint is pending or due, every row is greedy
+without logprobs (the ids are argmaxes on the device, as the sampler takes them), and pages for the next
+token can be reserved. Otherwise N is drained and the next step is scheduled as usual.
+
+A request that stops by length at N is left out of N+1. One that stops on EOS at N (unknown when N+1 is
+launched) computes one more row in N+1, dropped by post-processing; its pages and slot are freed after N+1
+was enqueued, and every later user of them is enqueued after N+1 on the same stream. So the tokens are the
+sequential engine's: the same argmax of the same logits.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class OverlapDecoder:
         self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._next = 0
         self.inflight: InflightStep | None = None
-        self.counts = {"launched": 0, "continued": 0, "drained": 0, "rows": 0}
+        self.counts = {"launched": 0, "continued": 0, "drained": 0, "rows": 0, "joined": 0}
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         """A scheduled step that can start an overlapped run."""
@@ -83,7 +85,7 @@ class OverlapDecoder:
         carried = None
         if prev is not None:
             row = {id(c.request): i for i, c in enumerate(prev.chunks)}
-            carried = [row[id(c.request)] for c in chunks]
+            carried = [row.get(id(c.request), -1) for c in chunks]  # -1: joined, its id is on the host
         logits = self.graphs.run(chunks, carried, prev.ids if prev is not None else None)
         ids = logits.argmax(dim=-1)  # the first of equal maxima, as the sampler's greedy rows
         host = self._host[self._next][: len(chunks)]
@@ -98,31 +100,47 @@ class OverlapDecoder:
         return InflightStep(chunks, ids, host, done)
 
     def _continuation(self, prev: InflightStep) -> list[ScheduledChunk] | None:
-        """Step N+1's chunks, one token per request of N that keeps decoding; None when the batch could change."""
+        """Step N+1's chunks: one token per request of N that keeps decoding, then one per request that joined
+        ready to decode (a P/D import: its first token is on the host). None when the batch must be
+        scheduled as usual."""
         s = self.scheduler
         if s.waiting or not self.graphs.enabled:
             return None
         in_prev = {id(c.request) for c in prev.chunks}
-        if any(id(r) not in in_prev for r in s.running):
-            return None  # a request joined between steps (P/D import): schedule it
+        joined = [r for r in s.running if id(r) not in in_prev]
         chunks: list[ScheduledChunk] = []
         for c in prev.chunks:
             req = c.request
             if req.is_finished:  # aborted between steps
                 continue
-            if c.checkpoints or req.pending_checkpoints or not _greedy_only(c):
+            if c.checkpoints:
                 return None
             p = c.start + 1  # the position of N's sampled token
             if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= s.max_model_len:
                 continue  # N's token ends it by length: nothing to compute
-            if p + 1 > self.graphs.max_context:
+            if not self._can_decode(req, p):
                 return None
-            if s.prefix is not None and s.slots is not None and s.prefix.rungs_in(p, p + 1):
-                return None  # a rung is due: the scheduler places its checkpoint
-            if not s._reserve_pages(req, p + 1):
-                return None  # the scheduler decides whom to preempt
             chunks.append(ScheduledChunk(req, p, 1))
+        for req in joined:
+            p = req.num_computed_tokens
+            if p != req.num_tokens - 1 or req.draft_tokens or req.fork_slot is not None or not self._can_decode(req, p):
+                return None
+            chunks.append(ScheduledChunk(req, p, 1))
+        if len(chunks) > self.graphs.batch_sizes[-1]:
+            return None
+        self.counts["joined"] += len(joined)
         return chunks or None
+
+    def _can_decode(self, req, p: int) -> bool:
+        """Whether position p of req can run in an overlapped step (reserving its page)."""
+        s = self.scheduler
+        if req.pending_checkpoints or not (req.params.greedy and req.params.logprobs is None):
+            return False
+        if p + 1 > self.graphs.max_context:
+            return False
+        if s.prefix is not None and s.slots is not None and s.prefix.rungs_in(p, p + 1):
+            return False  # a rung is due: the scheduler places its checkpoint
+        return s._reserve_pages(req, p + 1)  # False: the scheduler decides whom to preempt
 
 
 def _greedy_only(c: ScheduledChunk) -> bool:

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from engine.sampling_params import SamplingParams
 
 
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; other requests are unaffected."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

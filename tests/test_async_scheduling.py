@@ -95,6 +95,51 @@ def test_arrivals_and_aborts_between_steps(model_dir):
     _assert_nothing_held(eng)
 
 
+def _import(consumer, producer, prompt, params) -> str:
+    """A P/D import: `producer` prefills the prompt, its pages and state are copied into a reservation of
+    `consumer`, which continues from the producer's first token (what DecodeService does over gRPC)."""
+    rid = producer.add_request(prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    while not producer._requests[rid].output_token_ids:
+        producer.step()
+    src = producer._requests[rid]
+    res = consumer.reserve_import(f"imported-{rid}", len(prompt))
+    for layer, kv in consumer.cache.kv.items():
+        kv[res.page_ids] = producer.cache.kv[layer][src.page_ids[: len(res.page_ids)]]
+    for name in ("recurrent", "conv"):
+        for layer, t in getattr(consumer.cache, name).items():
+            t[res.slot_ids[0]] = getattr(producer.cache, name)[layer][src.slot_ids[0]]
+    consumer.insert_prefilled(res, prompt, params, src.output_token_ids[0], None)
+    producer.abort_request(rid)
+    return res.request_id
+
+
+def test_pd_imports_join_overlapped_steps(model_dir):
+    """Requests imported between steps (decode workers: every request arrives this way) join the next
+    overlapped step with their host-side first token; nothing drains, and every token equals the
+    sequential engine's under the same arrivals."""
+    prompts = random_prompts(6, LENGTHS, seed=11)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        producer = make_engine(model_dir, max_num_seqs=8)
+        eng = _engine(model_dir, overlap)
+        ids = [_import(eng, producer, p, greedy) for p in prompts[:2]]
+        done, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.output_token_ids
+            steps += 1
+            if steps in (3, 7):  # two more imports, between overlapped steps
+                ids += [_import(eng, producer, p, greedy) for p in prompts[2 + 2 * (steps == 7) :][:2]]
+        results[overlap] = [done[i] for i in ids]
+        if overlap:
+            counts = eng.overlap.counts
+            assert counts["joined"] == 4 and counts["drained"] <= 1, counts
+            _assert_nothing_held(eng)
+    assert results[True] == results[False]
+
+
 def test_sampled_rows_run_in_sequence(model_dir):
     """Seeded sampling and logprobs take the host sampler: such steps are never overlapped, and the tokens
     equal the sequential engine's."""

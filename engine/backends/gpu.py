@@ -287,7 +287,7 @@ class GPUKDABackend(KDABackend):
     ) -> torch.Tensor:
         m = self._meta(batch, q.device)
         if m.fresh is not None:
-            state_cache[m.fresh] = 0.0
+            state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
         for slot, dst in m.pre_copies:
             state_cache[dst] = state_cache[slot]
         if m.all_decode:

@@ -84,7 +84,8 @@ def chunk_kda_varlen(
         initial_state=initial_state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_cpu.to(q.device, non_blocking=True),
+        # from pinned memory: a pageable upload would make every KDA layer wait for the GPU
+        cu_seqlens=(cu_cpu.pin_memory() if q.is_cuda else cu_cpu).to(q.device, non_blocking=True),
         cu_seqlens_cpu=cu_cpu,
     )
     if return_intermediate_states:

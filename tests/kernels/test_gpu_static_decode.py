@@ -7,6 +7,7 @@ split, slot tensors, the scratch page / slot of padding rows) against the refere
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.sampling_params import SamplingParams
 from tests.conftest import make_engine, random_prompts
@@ -31,3 +32,50 @@ def test_static_decode_with_gpu_backends_matches_reference(tiny_models, arch, pr
     stats = eng.runner.decode_graphs.stats()
     assert stats["eager_static_steps"] >= 6 and stats["padded_rows"] > 0, stats
     assert got == expected
+
+
+@pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_mid.py covers CUDA graphs")
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3"])
+def test_split_keys_and_overlap_as_on_the_gpu(tiny_models, arch, monkeypatch):
+    """With an H200's 132 SMs the attention kernel splits the keys of a small decode batch, and the static
+    step splits by the context bucket while the normal path splits by the exact length: the two paths run
+    different split / merge launches. Overlapped decode (carried ids) on top; tokens as the reference's."""
+    import kernels.paged_attention.triton as paged
+
+    monkeypatch.setattr(paged, "_num_sms", lambda device: 132)
+    splits: list[int] = []
+    choose = paged.choose_splits
+    monkeypatch.setattr(paged, "choose_splits", lambda *a, **k: splits.append(choose(*a, **k)) or splits[-1])
+    prompts = random_prompts(2, [300, 150], seed=5)  # a 512-token bucket: 2 key splits, 1 at the exact length
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = make_engine(tiny_models[arch], max_num_batched_tokens=512)
+    eng = make_engine(tiny_models[arch], max_num_batched_tokens=512, cuda_graphs=True, async_scheduling=True)
+    eng.model.backends = gpu_backends()
+    ref_logits, got_logits = _record_decode_logits(ref), _record_decode_logits(eng)
+    expected = [o.output_token_ids for o in ref.generate(prompts, params)]
+    got = [o.output_token_ids for o in eng.generate(prompts, params)]
+    assert eng.overlap.counts["continued"] >= 3, eng.overlap.counts
+    assert max(splits) >= 2, splits  # the split / merge launches really ran
+    assert got == expected
+    assert len(ref_logits) == params.max_tokens - 1 <= len(got_logits)  # + the dropped step past the end
+    for want, have in zip(ref_logits, got_logits, strict=False):
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=0)
+
+
+def _record_decode_logits(eng) -> list:
+    """Logits of every pure-decode step (the static step's on the graph engine), cloned as they come."""
+    seen: list = []
+    target = eng.runner.decode_graphs if eng.runner.decode_graphs is not None else eng.runner
+    fn = target.run if eng.runner.decode_graphs is not None else target.execute
+
+    def recording(chunks, *a, **k):
+        logits = fn(chunks, *a, **k)
+        if all(c.num_tokens == 1 for c in chunks):
+            seen.append(logits.clone())
+        return logits
+
+    if eng.runner.decode_graphs is not None:
+        target.run = recording
+    else:
+        target.execute = recording
+    return seen
