@@ -23,7 +23,7 @@ from engine.forward_batch import ForwardBatch
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import load_model_config
 from engine.model_runner import ModelRunner
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, pack_for_device
 from engine.outputs import RequestOutput, request_output
 from engine.overlap import OverlapDecoder
 from engine.pd_import import ImportReservation, ImportSide
@@ -97,6 +97,7 @@ class LLMEngine(ImportSide):
     # ---- construction steps; a parallel engine (engine/parallel/engine.py) builds one stage's share ----
     def _load_model(self) -> CausalLM:
         model, _ = load_model(self.config.model, self.dtype, self.device, progress=self.config.load_progress)
+        pack_for_device(model, self.device)
         model.backends = select_backends(self.device)
         return model
 

@@ -1,10 +1,10 @@
 """Where a step's time goes: torch.profiler over labelled ranges, grouped into attention / KDA / MoE / GEMM / other.
 
 The backends' methods (attention: write_kv, gqa, mla; KDA: short_conv, recurrence; MoE: route, experts) and
-every nn.Linear outside the MoE block (projections, dense MLP, LM head) run inside a ``tandem.<group>``
-record_function range while profiling; a range's time is the GPU time of the kernels launched inside it
-(torch's inclusive ``device_time_total``). "other" is the remainder of all kernel time: norms, the KDA gate,
-embedding, residual adds, sampling. The shared expert's linears count as MoE. On the host (no GPU) the same
+every nn.Linear or packed projection outside the MoE block (projections, dense MLP, LM head) run inside a
+``tandem.<group>`` record_function range while profiling; a range's time is the GPU time of the kernels launched
+inside it (torch's inclusive ``device_time_total``). "other" is the remainder of all kernel time: norms, the KDA
+gate, embedding, residual adds, sampling. The shared expert's linears count as MoE. On the host (no GPU) the same
 grouping uses CPU time, which only checks the plumbing.
 """
 
@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from engine.models.layers import PackedProjection
 
 GROUPS = ("attention", "KDA", "MoE", "GEMM")
 PREFIX = "tandem."
@@ -42,7 +44,7 @@ def labelled_ops(model: nn.Module) -> Iterator[None]:
             patched.append((obj, name))
     handles = []
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and "block_sparse_moe" not in mod_name:
+        if isinstance(mod, (nn.Linear, PackedProjection)) and "block_sparse_moe" not in mod_name:
             handles.append(mod.register_forward_pre_hook(_enter_gemm))
             handles.append(mod.register_forward_hook(_exit_gemm))
     try:

@@ -103,5 +103,7 @@ class MoEBackend(ABC):
         w1: torch.Tensor,
         w3: torch.Tensor,
         w2: torch.Tensor,
+        w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Weighted sum of SwiGLU experts; w1/w3 [E, I, H], w2 [E, H, I]."""
+        """Weighted sum of SwiGLU experts; w1/w3 [E, I, H], w2 [E, H, I]. w13 [E, 2I, H], when given, is
+        w1 | w3 in one tensor (w1 and w3 are views of it: CausalLM.pack_weights), for one GEMM instead of two."""

@@ -340,8 +340,9 @@ class GPUMoEBackend(MoEBackend):
         w1: torch.Tensor,
         w3: torch.Tensor,
         w2: torch.Tensor,
+        w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return grouped_moe(x, weights, ids, w1, w3, w2, impl=self.experts_impl)
+        return grouped_moe(x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13)
 
 
 def gpu_kda_backend() -> KDABackend:

@@ -124,5 +124,6 @@ class TorchMoEBackend(MoEBackend):
         w1: torch.Tensor,
         w3: torch.Tensor,
         w2: torch.Tensor,
+        w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return naive_moe(x, weights, ids, w1, w3, w2)

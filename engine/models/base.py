@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -56,5 +57,26 @@ class CausalLM(nn.Module):
             self.aux_states = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
         return self.model.norm(h, self.backends)
 
+    def pack_weights(self) -> None:
+        """Stack the weights that one input multiplies into one tensor per block (views keep the parameter
+        names): fewer, larger GEMMs. Done once after loading and placement; the engine does it on CUDA."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "pack_weights"):
+                m.pack_weights()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def pack_for_device(model: CausalLM, device: torch.device) -> None:
+    """Pack the weights (CausalLM.pack_weights) on CUDA, and return the replaced tensors' memory to the device
+    before the cache is sized from what is free. ``TANDEM_PACK_WEIGHTS=1`` packs on any device (tests of the
+    packed layout on the host, e.g. under TP), ``0`` never."""
+    choice = os.environ.get("TANDEM_PACK_WEIGHTS", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "0", "1"):
+        raise ValueError(f"TANDEM_PACK_WEIGHTS must be auto, 0 or 1, got {choice!r}")
+    if choice == "0" or (choice == "auto" and device.type != "cuda"):
+        return
+    model.pack_weights()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

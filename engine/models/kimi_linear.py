@@ -17,7 +17,7 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, GatedRMSNorm, RMSNorm
+from engine.models.layers import GatedMLP, GatedRMSNorm, PackedProjection, RMSNorm
 
 
 class KimiDeltaAttention(nn.Module):
@@ -44,6 +44,12 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(hd, p, bias=False)
         self.o_norm = GatedRMSNorm(hd, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(p, cfg.hidden_size, bias=False)
+        self.in_proj: PackedProjection | None = None
+        """q | k | v | f_a | g_a | b as one GEMM (pack_weights), else six."""
+
+    def pack_weights(self) -> None:
+        lins = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj]
+        self.in_proj = PackedProjection(lins)
 
     def conv_weight(self) -> torch.Tensor:
         """q|k|v conv kernels as one depthwise [3P, W] weight, matching the conv window layout."""
@@ -54,13 +60,18 @@ class KimiDeltaAttention(nn.Module):
 
     def _mix(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        if self.in_proj is not None:
+            p3 = sum(self.in_proj.sizes[:3])
+            qkv, f_a, g_a, b = self.in_proj(x).split([p3, *self.in_proj.sizes[3:]], dim=-1)  # qkv: [T, 3P] view
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+            f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
         qkv = be.kda.short_conv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)
         q, k, v = (z.reshape(t, h, hd) for z in qkv.chunk(3, dim=-1))
-        g = be.kda.gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, hd)  # [T, H, K] fp32
-        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        g = be.kda.gate(self.f_b_proj(f_a), self.A_log, self.dt_bias, hd)  # [T, H, K] fp32
+        beta = torch.sigmoid(b)  # [T, H]
         o = be.kda.recurrence(q, k, v, g, beta, cache.recurrent[self.layer_idx], batch).to(x.dtype)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, hd)
+        gate = self.g_b_proj(g_a).view(t, h, hd)
         return self.o_proj(self.o_norm(o, gate, be).reshape(t, h * hd))
 
 
@@ -106,6 +117,14 @@ class SparseMoE(nn.Module):
         self.experts.w3 = nn.Parameter(torch.zeros(e, i, h))  # up
         self.experts.w2 = nn.Parameter(torch.zeros(e, h, i))  # down
         self.shared_experts = GatedMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
+        self.w13: torch.Tensor | None = None
+        """experts.w1 | w3 as one [E, 2I, H] tensor (pack_weights): the gate and up GEMMs as one."""
+
+    def pack_weights(self) -> None:
+        ex, i = self.experts, self.experts.w1.shape[1]
+        self.w13 = torch.cat([ex.w1.data, ex.w3.data], dim=1)
+        ex.w1 = nn.Parameter(self.w13[:, :i], requires_grad=False)
+        ex.w3 = nn.Parameter(self.w13[:, i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())  # routing in fp32
@@ -116,7 +135,7 @@ class SparseMoE(nn.Module):
             self.cfg.moe_renormalize,
             self.cfg.routed_scaling_factor,
         )
-        y = be.moe.experts(x, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2)
+        y = be.moe.experts(x, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2, w13=self.w13)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
 

@@ -51,6 +51,23 @@ def _norms(be: Backends | None) -> TorchNormBackend:
     return be.norm if be is not None else _REFERENCE
 
 
+class PackedProjection(nn.Module):
+    """Several projections of one input as one GEMM: their weights stacked on the output dim in one tensor,
+    each original nn.Linear's weight rebound to a view of it (no extra memory; parameter counts unchanged, the
+    packed tensor is not a parameter). Fewer launches per layer: on a GPU decode step the count matters."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+        self.weight = torch.cat([lin.weight.data for lin in linears], dim=0)
+        for lin, view in zip(linears, self.weight.split(self.sizes, dim=0), strict=True):
+            lin.weight = nn.Parameter(view, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, sum(sizes)]: the projections' outputs side by side, in the order given."""
+        return F.linear(x, self.weight)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP with the HF names gate_proj / up_proj / down_proj."""
 
@@ -60,7 +77,15 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+        self.gate_up: PackedProjection | None = None
+
+    def pack_weights(self) -> None:
+        self.gate_up = PackedProjection([self.gate_proj, self.up_proj])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split(self.gate_up.sizes, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

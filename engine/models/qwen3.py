@@ -10,7 +10,7 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, PackedProjection, RMSNorm, RotaryEmbedding
 
 
 class Qwen3Attention(nn.Module):
@@ -30,12 +30,20 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+        self.qkv: PackedProjection | None = None
+
+    def pack_weights(self) -> None:
+        self.qkv = PackedProjection([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim), be)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), be)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim), be)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim), be)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, batch.positions)
         kv_pages = cache.kv[self.layer_idx]
         be.attention.write_kv(kv_pages, batch, torch.stack([k, v], dim=1))

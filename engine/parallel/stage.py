@@ -21,7 +21,7 @@ from engine.cache.tensors import CacheLayout, CacheTensors, _kv_bytes_per_page, 
 from engine.config import EngineConfig
 from engine.loader import checkpoint_files, load_weights
 from engine.model_config import ModelConfig
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, pack_for_device
 from engine.models.layers import RotaryEmbedding
 from engine.models.registry import build_model
 from engine.parallel.groups import ParallelGroups
@@ -103,6 +103,7 @@ def build_stage(
     progress = config.load_progress and groups.rank == 0  # one progress bar, not one a rank
     load_weights(model, checkpoint_files(Path(config.model)), progress=progress, transform=pick)
     model.eval().requires_grad_(False)
+    pack_for_device(model, device)  # each rank packs its own shards
     tp.install_reductions(model, groups)
     model.backends = stage_backends(device, groups)
     return Stage(model, layers, tp, tp.local_model_config())

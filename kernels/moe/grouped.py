@@ -15,6 +15,7 @@ warning, if grouped_mm ever refuses the inputs).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,8 +83,10 @@ def grouped_moe(
     w3: torch.Tensor,
     w2: torch.Tensor,
     impl: str = "auto",
+    w13: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H]; weights [T, k] fp32; ids [T, k]; w1/w3 (gate/up) [E, I, H]; w2 (down) [E, H, I] -> [T, H]."""
+    """x [T, H]; weights [T, k] fp32; ids [T, k]; w1/w3 (gate/up) [E, I, H]; w2 (down) [E, H, I] -> [T, H].
+    w13 [E, 2I, H]: w1 | w3 stacked (optional): the gate and up projections as one grouped GEMM."""
     if x.ndim != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"x [T, H], weights and ids [T, k]; got {tuple(x.shape)}, {tuple(weights.shape)}, {tuple(ids.shape)}"
@@ -104,14 +107,23 @@ def grouped_moe(
         return torch.zeros_like(x)
     al = moe_align(ids, e)
     xs = x[al.token]  # [T*k, H]
+    if w13 is not None and w13.shape != (e, 2 * i, h):
+        raise ValueError(f"w13 must be [E, 2I, H] = {(e, 2 * i, h)}, got {tuple(w13.shape)}")
+
+    def gate_up(gemm: Callable) -> torch.Tensor:  # [T*k, I]
+        if w13 is None:
+            return F.silu(gemm(xs, w1, al.offsets)) * gemm(xs, w3, al.offsets)
+        h13 = gemm(xs, w13, al.offsets)
+        return F.silu(h13[:, :i]) * h13[:, i:]
+
     try:
-        a = F.silu(gemm(xs, w1, al.offsets)) * gemm(xs, w3, al.offsets)  # [T*k, I]
+        a = gate_up(gemm)
     except RuntimeError as err:  # a layout/arch grouped_mm refuses: the loop is always correct
         if not (auto and impl == "grouped_mm"):
             raise
         _grouped_mm_failed(err)
         gemm = _gemm_loop
-        a = F.silu(gemm(xs, w1, al.offsets)) * gemm(xs, w3, al.offsets)
+        a = gate_up(gemm)
     a = a * weights.reshape(-1)[al.order].to(a.dtype)[:, None]
     y = gemm(a, w2, al.offsets)  # [T*k, H]
     y_pairs = torch.empty_like(y)

@@ -39,7 +39,8 @@ def test_static_decode_with_gpu_backends_matches_reference(tiny_models, arch, pr
 def test_split_keys_and_overlap_as_on_the_gpu(tiny_models, arch, monkeypatch):
     """With an H200's 132 SMs the attention kernel splits the keys of a small decode batch, and the static
     step splits by the context bucket while the normal path splits by the exact length: the two paths run
-    different split / merge launches. Overlapped decode (carried ids) on top; tokens as the reference's."""
+    different split / merge launches. Overlapped decode (carried ids) and packed weights (as the engine packs
+    them on CUDA) on top; tokens and decode logits as the reference's."""
     import kernels.paged_attention.triton as paged
 
     monkeypatch.setattr(paged, "_num_sms", lambda device: 132)
@@ -51,6 +52,7 @@ def test_split_keys_and_overlap_as_on_the_gpu(tiny_models, arch, monkeypatch):
     ref = make_engine(tiny_models[arch], max_num_batched_tokens=512)
     eng = make_engine(tiny_models[arch], max_num_batched_tokens=512, cuda_graphs=True, async_scheduling=True)
     eng.model.backends = gpu_backends()
+    eng.model.pack_weights()  # as the engine does on CUDA
     ref_logits, got_logits = _record_decode_logits(ref), _record_decode_logits(eng)
     expected = [o.output_token_ids for o in ref.generate(prompts, params)]
     got = [o.output_token_ids for o in eng.generate(prompts, params)]

@@ -54,10 +54,11 @@ def test_align_groups_pairs_by_expert():
     assert al.token.tolist() == (al.order // 2).tolist()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["w1_w3", "w13"])
 @pytest.mark.parametrize("impl", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("t", "e", "k", "h", "i"), [(1, 8, 2, 64, 32), (29, 16, 4, 64, 32), (64, 4, 2, 128, 64)])
-def test_experts(t, e, k, h, i, dtype, impl):
+def test_experts(t, e, k, h, i, dtype, impl, packed):
     if impl == "grouped_mm" and dtype == torch.float32 and DEVICE.type == "cuda":
         pytest.skip("CUDA grouped_mm is bf16-only by design; the auto path uses the loop for fp32")
     g = torch.Generator().manual_seed(1)
@@ -67,7 +68,11 @@ def test_experts(t, e, k, h, i, dtype, impl):
     w1, w3, w2 = (w.to(DEVICE, dtype) for w in (w1, w3, w2))
     weights, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 2.446)
     ref = naive_moe(x.float(), weights, ids, w1.float(), w3.float(), w2.float())
-    out = grouped_moe(x, weights, ids, w1, w3, w2, impl=impl)
+    w13 = None
+    if packed:  # gate | up in one tensor, w1 / w3 its views (SparseMoE.pack_weights)
+        w13 = torch.cat([w1, w3], dim=1)
+        w1, w3 = w13[:, :i], w13[:, i:]
+    out = grouped_moe(x, weights, ids, w1, w3, w2, impl=impl, w13=w13)
     assert out.dtype == dtype
     assert_close("y", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
 
