@@ -379,7 +379,8 @@ def section_state_copy(rep: Report, quick: bool) -> None:
 
 
 def section_moe(rep: Report, quick: bool) -> None:
-    from kernels.moe.grouped import grouped_mm_supported, grouped_moe
+    from kernels.moe.align import MAX_PAIRS, moe_align_auto, moe_align_triton
+    from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align
     from kernels.moe.naive import naive_moe, sigmoid_topk_route
     from kernels.moe.triton import sigmoid_topk_route_triton
 
@@ -421,6 +422,19 @@ def section_moe(rep: Report, quick: bool) -> None:
             rep.check(f"experts T={t} ({active} experts hit) {impl}", ref, out[: ref.shape[0]], ms, nbytes, flops)
         ms = timed(lambda: naive_moe(x, weights, ids, w1, w3, w2), iters=3)  # noqa: B023
         rep.check(f"experts T={t}: naive per-expert loop (bf16)", None, None, ms, nbytes, flops)
+        if grouped_mm_supported(x):  # gate | up as one grouped GEMM (SparseMoE.pack_weights)
+            w13 = torch.cat([w1, w3], dim=1)
+            kw = dict(w13=w13, align=moe_align_auto)
+            out = grouped_moe(x, weights, ids, w1, w3, w2, **kw)
+            ms = timed(lambda: grouped_moe(x, weights, ids, w1, w3, w2, **kw), iters=5)  # noqa: B023
+            rep.check(f"experts T={t}: packed w13, one-launch align", ref, out[: ref.shape[0]], ms, nbytes, flops)
+            del w13
+        if t * k <= MAX_PAIRS:
+            al_ref, al = moe_align(ids, e), moe_align_triton(ids, e)
+            rep.check(f"align T={t}: order", al_ref.order, al.order, exact=True)
+            rep.check(f"align T={t}: ends", al_ref.offsets, al.offsets, exact=True)
+            rep.check(f"align T={t}: torch sort path", None, None, timed(lambda: moe_align(ids, e)))  # noqa: B023
+            rep.check(f"align T={t}: one launch", None, None, timed(lambda: moe_align_triton(ids, e)))  # noqa: B023
         torch.cuda.empty_cache()
 
 

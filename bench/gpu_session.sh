@@ -8,6 +8,8 @@
 #   bash bench/gpu_session.sh par-qwen       # 2 x H200: Qwen3-8B-layer shape, all layouts
 #   bash bench/gpu_session.sh pcp-check      # 2 x H200: tiny Kimi-Linear in fp32 (IEEE dots), pcp2 vs one GPU
 #   bash bench/gpu_session.sh mla-sweep      # 1 x H200: launch parameters of the MLA latent decode kernel
+#   bash bench/gpu_session.sh handoff        # the GPU host's 16 cores: KV handoff gRPC vs raw TCP (issue 3; ~1 min;
+#                                            # needs grpcio 1.78.0 + protobuf 6.33.6 + zlib-ng 1.1.0 cp312 wheels too)
 #
 # Joined tables afterwards (any machine, no GPU):
 #   python -m bench.gpu_mid --merge mid_tandem.json mid_hf.json
@@ -21,7 +23,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|mla-sweep}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|mla-sweep|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -32,5 +34,6 @@ case "$step" in
   pcp-check) TRITON_F32_DEFAULT=ieee python -m bench.parallel_gpu --tiny --dtype float32 --arch kimi_linear \
       --layouts single pcp2 --pcp-lens 1000 3000 --out "$OUT/pcp_check.json" "$@" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
+  handoff) python -m bench.handoff --total-mib 128 --repeats 3 "$@" | tee "$OUT/handoff.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decode_graph import DecodeGraphs
+from engine.request import Request
 from engine.scheduler import SampleResult, ScheduledChunk, Scheduler
 
 
@@ -131,7 +132,7 @@ class OverlapDecoder:
         self.counts["joined"] += len(joined)
         return chunks or None
 
-    def _can_decode(self, req, p: int) -> bool:
+    def _can_decode(self, req: Request, p: int) -> bool:
         """Whether position p of req can run in an overlapped step (reserving its page)."""
         s = self.scheduler
         if req.pending_checkpoints or not (req.params.greedy and req.params.logprobs is None):

@@ -39,6 +39,10 @@ def test_packed_model_computes_the_same(model_dir):
             ptr = pp.weight.untyped_storage().data_ptr()
             assert all(getattr(mod, lin).weight.untyped_storage().data_ptr() == ptr for lin in linears), attr
     assert n_packed >= eng.model_config.num_hidden_layers
+    for mod in eng.model.modules():  # KDA's q|k|v conv kernels: one tensor, built once
+        if getattr(mod, "_conv_packed", None) is not None:
+            ptr = mod._conv_packed.untyped_storage().data_ptr()
+            assert all(getattr(mod, c).weight.untyped_storage().data_ptr() == ptr for c in ("q_conv1d", "v_conv1d"))
     for p in prompts:
         torch.testing.assert_close(eng.prompt_logits(p), ref.prompt_logits(p), atol=1e-4, rtol=0)
     want = [o.output_token_ids for o in ref.generate(prompts, greedy)]

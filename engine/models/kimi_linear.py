@@ -46,13 +46,21 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(p, cfg.hidden_size, bias=False)
         self.in_proj: PackedProjection | None = None
         """q | k | v | f_a | g_a | b as one GEMM (pack_weights), else six."""
+        self._conv_packed: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
         lins = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj]
         self.in_proj = PackedProjection(lins)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        packed = self.conv_weight()  # built once here instead of a cat per step
+        for conv, view in zip(convs, packed.split([c.weight.shape[0] for c in convs]), strict=True):
+            conv.weight = nn.Parameter(view.unsqueeze(1), requires_grad=False)
+        self._conv_packed = packed
 
     def conv_weight(self) -> torch.Tensor:
         """q|k|v conv kernels as one depthwise [3P, W] weight, matching the conv window layout."""
+        if self._conv_packed is not None:
+            return self._conv_packed
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
@@ -118,16 +126,19 @@ class SparseMoE(nn.Module):
         self.experts.w2 = nn.Parameter(torch.zeros(e, h, i))  # down
         self.shared_experts = GatedMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
         self.w13: torch.Tensor | None = None
+        self._gate_fp32: torch.Tensor | None = None
         """experts.w1 | w3 as one [E, 2I, H] tensor (pack_weights): the gate and up GEMMs as one."""
 
     def pack_weights(self) -> None:
+        self._gate_fp32 = self.gate.weight.detach().float()  # the router runs in fp32: cast once, not per step
         ex, i = self.experts, self.experts.w1.shape[1]
         self.w13 = torch.cat([ex.w1.data, ex.w3.data], dim=1)
         ex.w1 = nn.Parameter(self.w13[:, :i], requires_grad=False)
         ex.w3 = nn.Parameter(self.w13[:, i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight.float())  # routing in fp32
+        gate_w = self._gate_fp32 if self._gate_fp32 is not None else self.gate.weight.float()
+        logits = F.linear(x.float(), gate_w)  # routing in fp32
         weights, ids = be.moe.route(
             logits,
             self.gate.e_score_correction_bias,

@@ -84,9 +84,11 @@ def grouped_moe(
     w2: torch.Tensor,
     impl: str = "auto",
     w13: torch.Tensor | None = None,
+    align: Callable[[torch.Tensor, int], MoEAlign] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; weights [T, k] fp32; ids [T, k]; w1/w3 (gate/up) [E, I, H]; w2 (down) [E, H, I] -> [T, H].
-    w13 [E, 2I, H]: w1 | w3 stacked (optional): the gate and up projections as one grouped GEMM."""
+    w13 [E, 2I, H]: w1 | w3 stacked (optional): the gate and up projections as one grouped GEMM.
+    align: builds the expert-sorted layout (default ``moe_align``; kernels/moe/align.py has a one-launch one)."""
     if x.ndim != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"x [T, H], weights and ids [T, k]; got {tuple(x.shape)}, {tuple(weights.shape)}, {tuple(ids.shape)}"
@@ -105,7 +107,7 @@ def grouped_moe(
     t, k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
-    al = moe_align(ids, e)
+    al = (align or moe_align)(ids, e)
     xs = x[al.token]  # [T*k, H]
     if w13 is not None and w13.shape != (e, 2 * i, h):
         raise ValueError(f"w13 must be [E, 2I, H] = {(e, 2 * i, h)}, got {tuple(w13.shape)}")

@@ -29,6 +29,7 @@ if not ON_CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"
         "compiled-mode and cannot run on this CPU-only machine: run with TRITON_INTERPRET=1 in the environment"
     )
 TRITON_MODULES = (
+    "kernels.moe.align",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
     "kernels.paged_attention.triton",

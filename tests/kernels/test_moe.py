@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.moe.align import moe_align_triton
 from kernels.moe.grouped import grouped_moe, moe_align
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.moe.triton import sigmoid_topk_route_triton
@@ -52,6 +53,29 @@ def test_align_groups_pairs_by_expert():
     assert al.offsets.tolist() == [1, 3, 6, 6]
     assert ids.reshape(-1)[al.order].tolist() == [0, 1, 1, 2, 2, 2]
     assert al.token.tolist() == (al.order // 2).tolist()
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "k", "hot"),
+    [
+        (64, 256, 8, None),  # a decode batch of Kimi-Linear: 512 pairs, 8 blocks
+        (1, 256, 8, None),
+        (37, 20, 3, None),  # non-power-of-2 experts, a partial last block
+        (50, 16, 4, 2),  # most pairs on two experts: long runs of equal ids inside and across blocks
+    ],
+)
+def test_moe_align_triton_is_the_stable_sort(t, e, k, hot):
+    g = torch.Generator().manual_seed(t + e)
+    if hot is None:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    else:
+        ids = torch.randint(0, hot, (t, k), generator=g)
+        ids[::5] = torch.randint(0, e, (len(ids[::5]), k), generator=g)
+    ids = ids.to(DEVICE)
+    want, got = moe_align(ids, e), moe_align_triton(ids, e)
+    assert got.offsets.tolist() == want.offsets.tolist()
+    assert got.order.tolist() == want.order.tolist()
+    assert got.token.tolist() == want.token.tolist()
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["w1_w3", "w13"])

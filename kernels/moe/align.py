@@ -1,0 +1,84 @@
+"""The expert-sorted layout of a step's (token, expert) pairs in one Triton launch. Contract: ``grouped.moe_align``.
+
+``moe_align`` (torch) takes a stable radix sort, a scatter-add of counts, a cumsum and an integer divide: about
+nine kernels per MoE layer. At decode sizes (a few thousand pairs) one program does it all: a pass of
+per-expert counts (ends = their cumsum), then a pass placing each pair at its expert's start + the pairs of
+that expert before it (earlier blocks: a running count; this block: a triangular equality count). That is
+exactly the stable sort's order. Larger steps (prefill) keep the torch path, where the sort is cheap per pair.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.grouped import MoEAlign, moe_align
+from kernels.triton_utils import check_device, is_interpreting, next_pow2
+
+MAX_PAIRS = 8192
+"""Above this many (token, expert) pairs, the one-program kernel is slower than torch's sort."""
+
+
+@triton.jit
+def _moe_align_kernel(
+    IDS,  # [N] int64 expert of each pair (pair j = token j // TOP_K, slot j % TOP_K)
+    ORDER,  # [N] int64 out: pair index of each sorted row
+    TOKEN,  # [N] int64 out: token of each sorted row
+    ENDS,  # [E] int32 out: end row of each expert's group
+    N,
+    E,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    o_e = tl.arange(0, BLOCK_E)
+    o_b = tl.arange(0, BLOCK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        o = start + o_b
+        b_id = tl.load(IDS + o, mask=o < N, other=-1).to(tl.int32)
+        counts += tl.sum((b_id[:, None] == o_e[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(counts, axis=0)
+    tl.store(ENDS + o_e, ends, mask=o_e < E)
+    running = ends - counts  # next free row of each expert
+    for start in range(0, N, BLOCK):
+        o = start + o_b
+        m = o < N
+        b_id = tl.load(IDS + o, mask=m, other=-1).to(tl.int32)
+        hot = (b_id[:, None] == o_e[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
+        base = tl.sum(hot * running[None, :], axis=1)  # running[b_id]
+        before = (b_id[:, None] == b_id[None, :]) & (o_b[None, :] < o_b[:, None])  # same expert, earlier here
+        pos = base + tl.sum(before.to(tl.int32), axis=1)
+        tl.store(ORDER + pos, o.to(tl.int64), mask=m)
+        tl.store(TOKEN + pos, (o // TOP_K).to(tl.int64), mask=m)
+        running += tl.sum(hot, axis=0)
+
+
+def moe_align_triton(ids: torch.Tensor, num_experts: int) -> MoEAlign:
+    """ids [T, k] int64 -> the layout ``moe_align`` returns (the same stable order), in one launch."""
+    check_device("moe_align_triton", ids)
+    if ids.ndim != 2:
+        raise ValueError(f"ids must be [T, k], got {tuple(ids.shape)}")
+    flat = ids.reshape(-1).contiguous()
+    n = flat.numel()
+    order = torch.empty(n, dtype=torch.int64, device=ids.device)
+    token = torch.empty(n, dtype=torch.int64, device=ids.device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    block_e = next_pow2(num_experts)
+    block = max(16, min(64, 16384 // block_e))  # the [BLOCK, BLOCK_E] one-hot stays in registers
+    _moe_align_kernel[(1,)](
+        flat, order, token, ends, n, num_experts, TOP_K=ids.shape[1], BLOCK=block, BLOCK_E=block_e, num_warps=8
+    )
+    return MoEAlign(order=order, token=token, offsets=ends)
+
+
+def moe_align_auto(ids: torch.Tensor, num_experts: int) -> MoEAlign:
+    """The one-launch kernel for a decode-sized step on CUDA (or under the interpreter: the GPU backends'
+    tests on the host), torch's sort otherwise."""
+    if (ids.is_cuda or is_interpreting()) and 0 < ids.numel() <= MAX_PAIRS:
+        return moe_align_triton(ids, num_experts)
+    return moe_align(ids, num_experts)
+
+
+__all__ = ["MAX_PAIRS", "moe_align_auto", "moe_align_triton"]
