@@ -166,16 +166,10 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
                 "argmax_equal": (first["eager"].argmax(-1) == first["graph"].argmax(-1)).float().mean().item(),
             }
             for other in modes[1:]:
-                pairs = [
-                    (x, y) for s, r in zip(toks["eager"], toks[other], strict=True) for x, y in zip(s, r, strict=True)
-                ]
                 key = "token_agreement" if other == "graph" else f"token_agreement_{other}"
-                row[key] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+                row[key] = _agreement(toks["eager"], toks[other])
             if "async" in toks:  # the same kernels on the same batches: anything but 100 % is a bug
-                pairs = [
-                    (x, y) for s, r in zip(toks["graph"], toks["async"], strict=True) for x, y in zip(s, r, strict=True)
-                ]
-                row["token_agreement_async_vs_graph"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+                row["token_agreement_async_vs_graph"] = _agreement(toks["graph"], toks["async"])
             row["graph_stats"] = graphs.stats()
             if overlap is not None:
                 row["overlap_stats"] = dict(overlap.counts)
@@ -196,6 +190,12 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
             )
     graphs.enabled = True
     eng.overlap = overlap
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of equal tokens, step by step and row by row."""
+    pairs = [(x, y) for s, r in zip(a, b, strict=True) for x, y in zip(s, r, strict=True)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
 def _replay_ms(graphs: Any, device: torch.device, n: int = 20) -> float | None:

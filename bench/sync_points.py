@@ -34,21 +34,18 @@ def _where() -> str:
 
 def census(fn) -> Counter:
     seen: Counter = Counter()
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         seen[_where() or f"{filename}:{lineno}"] += 1
 
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning and the filters on exit
             warnings.simplefilter("always")
             warnings.showwarning = record
             fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = show
     return seen
 
 

@@ -61,7 +61,7 @@ class OverlapDecoder:
         """A scheduled step that can start an overlapped run."""
         if not self.graphs.accepts(chunks):
             return False
-        return all(c.request.fork_slot is None and _greedy_only(c) for c in chunks)
+        return all(c.request.fork_slot is None and _greedy_only(c.request) for c in chunks)
 
     def start(self, chunks: list[ScheduledChunk]) -> None:
         self.inflight = self._launch(chunks, None)
@@ -135,7 +135,7 @@ class OverlapDecoder:
     def _can_decode(self, req: Request, p: int) -> bool:
         """Whether position p of req can run in an overlapped step (reserving its page)."""
         s = self.scheduler
-        if req.pending_checkpoints or not (req.params.greedy and req.params.logprobs is None):
+        if req.pending_checkpoints or not _greedy_only(req):
             return False
         if p + 1 > self.graphs.max_context:
             return False
@@ -144,6 +144,6 @@ class OverlapDecoder:
         return s._reserve_pages(req, p + 1)  # False: the scheduler decides whom to preempt
 
 
-def _greedy_only(c: ScheduledChunk) -> bool:
-    p = c.request.params
-    return p.greedy and p.logprobs is None
+def _greedy_only(req: Request) -> bool:
+    """Its token is the logits' argmax and nothing else is reported: the device can pick it alone."""
+    return req.params.greedy and req.params.logprobs is None

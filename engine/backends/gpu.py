@@ -245,15 +245,18 @@ class GPUKDABackend(KDABackend):
         self.chunk_fn = chunk_fn or chunk_kda_varlen
         self.exact_checkpoints = exact_checkpoints
         self._step = PerStep()
+        self._fused_gate: Callable | None = None  # fla's, looked up on the first CUDA call (not per layer)
 
     def gate(self, g_raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
         """fla's fused gate kernel (one launch instead of six elementwise ones) on CUDA."""
-        if not g_raw.is_cuda or not fla_available():
-            return super().gate(g_raw, a_log, dt_bias, head_dim)
-        from fla.ops.kda.gate import fused_kda_gate
+        if g_raw.is_cuda and self._fused_gate is None and fla_available():
+            from fla.ops.kda.gate import fused_kda_gate
 
+            self._fused_gate = fused_kda_gate
+        if not g_raw.is_cuda or self._fused_gate is None:
+            return super().gate(g_raw, a_log, dt_bias, head_dim)
         g = g_raw.unflatten(-1, (-1, head_dim))
-        return fused_kda_gate(g, a_log.reshape(-1), dt_bias, output_dtype=torch.float32)
+        return self._fused_gate(g, a_log.reshape(-1), dt_bias, output_dtype=torch.float32)
 
     def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep | KDADecodeStep:
         if batch.decode_meta is not None:

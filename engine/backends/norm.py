@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 
 
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class TorchNormBackend:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(dtype)
+        return weight * _normalized(x, eps).to(x.dtype)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -27,10 +29,7 @@ class TorchNormBackend:
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(x) * w * sigmoid(gate), all in fp32, cast back to x's dtype."""
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (weight.float() * xf * torch.sigmoid(gate.float())).to(dtype)
+        return (weight.float() * _normalized(x, eps) * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 class FlaNormBackend(TorchNormBackend):
