@@ -15,11 +15,10 @@ from bench.mid.checkpoint import KIMI_LINEAR_SHAPES
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.fingerprint import Fingerprint
 from engine.forward_batch import ForwardBatch
-from engine.kv_transfer.consumer import HandoffConsumer
+from engine.kv_transfer.consumer import HandoffConsumer, fingerprint_to_pb
 from engine.kv_transfer.producer import HandoffProducer
 from engine.kv_transfer.wire import EncodedChunk
 from engine.model_config import ModelConfig
-from prefill_svc.service import fingerprint_to_pb
 from tandem.rpc import prefill_pb2 as pb
 
 PAGE_SIZE = 16

@@ -81,7 +81,7 @@ def run_layout(a: argparse.Namespace, layout: str, device: str, dtype: str) -> d
         t1 = time.perf_counter()
         eng.generate(_prompts(1, min(512, a.pcp_lens[0]), vocab, 0), None)  # compile / autotune
         rec["first_call_s"] = time.perf_counter() - t1
-        work = WORKLOADS[layout]
+        work = [w for w in WORKLOADS[layout] if not a.workloads or w in a.workloads]
         if "pcp" in work:
             rec["pcp"] = {}
             for n in a.pcp_lens:
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp-len", type=int, default=None)
     p.add_argument("--tp-batch", type=int, default=None)
     p.add_argument("--tp-ctx", type=int, default=None)
+    p.add_argument("--workloads", nargs="*", default=None, choices=("pcp", "pp", "tp"), help="default: all of each")
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--kv-gib", type=float, default=8.0)

@@ -12,40 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import traceback
-import warnings
 from collections import Counter
 from pathlib import Path
-
-import torch
 
 from bench.mid import tandem_bench
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-
-OURS = ("/engine/", "/kernels/")
-
-
-def _where() -> str:
-    frames = [f for f in traceback.extract_stack()[:-3] if any(o in f.filename for o in OURS)]
-    return " <- ".join(f"{f.filename.split('/')[-2]}/{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[::-1][:3])
+from engine.sync_census import sync_census
 
 
 def census(fn) -> Counter:
-    seen: Counter = Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        seen[_where() or f"{filename}:{lineno}"] += 1
-
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():  # restores showwarning and the filters on exit
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    with sync_census() as seen:
+        fn()
     return seen
 
 

@@ -22,11 +22,10 @@ from decode_svc.pull import StageStreamFailed, pull_handoff
 from engine.async_engine import AsyncEngine
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError
-from engine.kv_transfer.consumer import HandoffConsumer
+from engine.kv_transfer.consumer import HandoffConsumer, fingerprint_to_pb
 from engine.kv_transfer.wire import prefill_call, stage_pull_call
 from engine.llm_engine import ImportReservation, RequestOutput
 from kvstore.store import PrefixStore
-from prefill_svc.service import fingerprint_to_pb
 from tandem.convert import logprobs_to_pb, params_from_pb
 from tandem.grpc_util import channel
 from tandem.metrics import WorkerMetrics

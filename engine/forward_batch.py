@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.upload import upload
+
 if TYPE_CHECKING:
     from engine.decode_graph.meta import DecodeMeta
 
@@ -33,6 +35,11 @@ class ForwardBatch:
     completes_prompt: list[bool] = field(default_factory=list)  # [N] this chunk reaches the last known token
     checkpoints: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
     """[N] (rung position, slot): after that many tokens, copy the KDA state (recurrent + conv) to slot."""
+    kv_write_rows: torch.Tensor | None = None
+    """Rows whose slot_mapping is >= 0, when the builder knows them on the host (device, int64); with
+    ``all_kv_written`` it spares the GPU backend a device-to-host look at slot_mapping mid-forward."""
+    all_kv_written: bool = False
+    """The builder knows that no row reuses cached KV (no -1 in slot_mapping)."""
     decode_meta: DecodeMeta | None = None
     """Set on a padded static decode step (engine/decode_graph): the GPU backends read its device tensors
     and never the host lists above, which a captured CUDA graph would freeze."""
@@ -51,3 +58,12 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
+
+
+def kv_write_fields(slot_mapping: list[int] | torch.Tensor, device: torch.device) -> dict:
+    """``kv_write_rows`` / ``all_kv_written`` of a host slot_mapping, as ForwardBatch keyword arguments."""
+    host = torch.as_tensor(slot_mapping, dtype=torch.int64)
+    keep = host >= 0
+    if bool(keep.all()):
+        return {"all_kv_written": True}
+    return {"kv_write_rows": upload(keep.nonzero()[:, 0], device)}

@@ -9,6 +9,8 @@ from engine.decode_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM
 from engine.scheduler import ScheduledChunk
+from engine.step_rows import StepRows, int64_tensor
+from kernels.upload import upload
 
 
 class ModelRunner:
@@ -21,26 +23,22 @@ class ModelRunner:
         """Pure-decode steps through static padded buffers / CUDA graphs (EngineConfig.cuda_graphs)."""
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
+        rows = StepRows(self.page_size)
         qsl = [0]
         ctx, tables, slots, has_init, logits_idx = [], [], [], [], []
         rids, starts, completes, cks = [], [], [], []
-        ps = self.page_size
+        reused: list[int] = []  # per chunk: leading rows whose KV is already cached (slot -1)
         for c in chunks:
             req = c.request
             end = c.start + c.num_tokens
             known = end - len(c.drafts)
-            ids.extend(req.all_token_ids[c.start : known])
-            ids.extend(c.drafts)
-            positions.extend(range(c.start, end))
-            slot_mapping.extend(
-                req.page_ids[p // ps] * ps + p % ps if p >= req.kv_cached_tokens else -1 for p in range(c.start, end)
-            )
+            pages = int64_tensor(req.page_ids)
+            ids = req.all_token_ids[c.start : known] + list(c.drafts)
+            rows.add(ids, c.start, end, req.page_ids, pages, req.kv_cached_tokens)
+            reused.append(min(max(req.kv_cached_tokens - c.start, 0), c.num_tokens))
             qsl.append(qsl[-1] + c.num_tokens)
             ctx.append(end)
-            tables.append(torch.tensor(req.page_ids, dtype=torch.int64, device=self.device))
+            tables.append(upload(pages, self.device))
             slots.append(req.slot_ids[0] if req.slot_ids else -1)
             has_init.append(c.start > 0)
             if c.samples:  # a verify step needs the logits at the last token and every draft
@@ -49,24 +47,27 @@ class ModelRunner:
             starts.append(c.start)
             completes.append(c.samples)
             cks.append(c.checkpoints)
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=self.device)
-
+        input_ids, positions, slot_mapping = (upload(t, self.device) for t in rows.tensors())
+        if not any(reused):
+            kv_rows: dict = {"all_kv_written": True}
+        else:  # the rows after each chunk's cached prefix
+            written = [torch.arange(a + r, b) for a, b, r in zip(qsl[:-1], qsl[1:], reused, strict=True)]
+            kv_rows = {"kv_write_rows": upload(torch.cat(written), self.device)}
         return ForwardBatch(
-            input_ids=t(ids),
-            positions=t(positions),
+            input_ids=input_ids,
+            positions=positions,
             query_start_loc=qsl,
             context_lens=ctx,
             block_tables=tables,
-            slot_mapping=t(slot_mapping),
+            slot_mapping=slot_mapping,
             state_slots=slots,
             has_initial_state=has_init,
-            logits_indices=t(logits_idx),
+            logits_indices=upload(torch.tensor(logits_idx, dtype=torch.int64), self.device),
             request_ids=rids,
             chunk_starts=starts,
             completes_prompt=completes,
             checkpoints=cks,
+            **kv_rows,
         )
 
     @torch.inference_mode()

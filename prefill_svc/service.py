@@ -16,7 +16,7 @@ from engine.async_engine import AsyncEngine
 from engine.block_hash import block_hashes, namespace
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import tensor_pieces
-from engine.kv_transfer.consumer import fingerprint_from_pb
+from engine.kv_transfer.consumer import fingerprint_from_pb, fingerprint_to_pb
 from engine.kv_transfer.producer import HandoffProducer
 from engine.kv_transfer.wire import EncodedChunk, encode_chunk
 from engine.llm_engine import RequestOutput
@@ -29,17 +29,6 @@ from tandem.rpc import prefill_pb2 as pb
 from tandem.rpc import prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def fingerprint_to_pb(f: Fingerprint) -> cpb.Fingerprint:
-    return cpb.Fingerprint(
-        digest=f.digest,
-        model_digest=f.model_digest,
-        tokenizer_digest=f.tokenizer_digest,
-        dtype=f.dtype,
-        page_size=f.page_size,
-        cache_layout=f.cache_layout,
-    )
 
 
 def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int) -> Iterator[EncodedChunk]:

@@ -12,11 +12,10 @@ from engine.block_hash import block_hashes, namespace
 from engine.fingerprint import compute_fingerprint
 from engine.kv_transfer import consumer as consumer_mod
 from engine.kv_transfer.codec import HandoffError, TensorAssembler, tensor_pieces
-from engine.kv_transfer.consumer import HandoffConsumer
+from engine.kv_transfer.consumer import HandoffConsumer, fingerprint_to_pb
 from engine.kv_transfer.producer import HandoffProducer
 from engine.kv_transfer.wire import parse_chunk
 from engine.sampling_params import SamplingParams
-from prefill_svc.service import fingerprint_to_pb
 from tandem.rpc import prefill_pb2 as pb
 from tests.conftest import make_engine, random_prompts
 

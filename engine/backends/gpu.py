@@ -17,7 +17,7 @@ import torch
 from engine.backends.base import AttentionBackend, KDABackend, MLADims, MoEBackend
 from engine.backends.gpu_static import KDADecodeStep, static_attn_meta, static_mla_parts
 from engine.backends.per_step import PerStep
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, upload
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.moe.align import moe_align_auto
 from kernels.moe.grouped import grouped_moe
@@ -58,8 +58,13 @@ class GPUAttentionBackend(AttentionBackend):
         if batch.decode_meta is not None:  # static decode: every row has a target (padding: the scratch page)
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
             return
-        # rows with slot -1 reuse cached KV: find them once per step (one sync), then one index_put per layer
-        keep = self._step.get(batch, "keep", lambda: _kept_rows(batch.slot_mapping))
+        # rows with slot -1 reuse cached KV: from the builder's host lists, else found once per step (a sync)
+        if batch.all_kv_written:
+            keep = None
+        elif batch.kv_write_rows is not None:
+            keep = batch.kv_write_rows
+        else:
+            keep = self._step.get(batch, "keep", lambda: _kept_rows(batch.slot_mapping))
         if keep is None:
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
         else:
@@ -163,11 +168,11 @@ class _KDAStep:
         slots, qsl = batch.state_slots, batch.query_start_loc
         cks_all = batch.checkpoints if batch.checkpoints else [()] * n
         ints = slots + qsl + [int(b) for b in batch.has_initial_state]
-        dev = torch.tensor(ints, dtype=torch.int32).to(device, non_blocking=True)
+        dev = upload(torch.tensor(ints, dtype=torch.int32), device)
         self.slots, self.qsl, self.has_init = dev[:n], dev[n : 2 * n + 1], dev[2 * n + 1 :]
         self.max_q_len = max(q_lens, default=0)
         fresh = [s for s, init in zip(slots, batch.has_initial_state, strict=True) if not init]
-        self.fresh = torch.tensor(fresh, dtype=torch.int64).to(device) if fresh else None
+        self.fresh = upload(torch.tensor(fresh, dtype=torch.int64), device) if fresh else None
 
         # conv checkpoints: (row start, tokens of the chunk before the rung, slot, has_init, dst)
         self.conv_cks = [
@@ -181,9 +186,9 @@ class _KDAStep:
         self.dec_slots = self.dec_rows = None
         self.dec_copies = [(slots[i], dst) for i in dec for _, dst in cks_all[i]]  # a one-token chunk's rung is its end
         if dec:
-            self.dec_slots = torch.tensor([slots[i] for i in dec], dtype=torch.int64).to(device)
+            self.dec_slots = upload(torch.tensor([slots[i] for i in dec], dtype=torch.int64), device)
             if pre:
-                self.dec_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.int64).to(device)
+                self.dec_rows = upload(torch.tensor([qsl[i] for i in dec], dtype=torch.int64), device)
 
         # prefill: cut each chunk into segments at rungs that chunk_kda's intermediate states cannot give
         # (not a multiple of 64 tokens into the current segment, or every rung when exact_checkpoints);
@@ -214,8 +219,8 @@ class _KDAStep:
                 rounds[j].add(rows, slots[i], cks)
         self.rounds = [
             (
-                torch.tensor(r.rows, dtype=torch.int64).to(device),
-                torch.tensor(r.slots, dtype=torch.int64).to(device),
+                upload(torch.tensor(r.rows, dtype=torch.int64), device),
+                upload(torch.tensor(r.slots, dtype=torch.int64), device),
                 r.cu,
                 r.copies,
                 r.needs_h,

@@ -16,6 +16,7 @@ from engine.kv_transfer.codec import HandoffError, TensorAssembler
 from engine.kv_transfer.wire import ReceivedChunk
 from engine.model_config import ModelConfig
 from engine.request import TokenLogprobs
+from tandem.rpc import common_pb2 as cpb
 from tandem.rpc import prefill_pb2 as pb
 
 
@@ -42,6 +43,17 @@ def _byte_view(t: torch.Tensor) -> memoryview | None:
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
     return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def fingerprint_to_pb(f: Fingerprint) -> cpb.Fingerprint:
+    return cpb.Fingerprint(
+        digest=f.digest,
+        model_digest=f.model_digest,
+        tokenizer_digest=f.tokenizer_digest,
+        dtype=f.dtype,
+        page_size=f.page_size,
+        cache_layout=f.cache_layout,
+    )
 
 
 def fingerprint_from_pb(f: pb.Fingerprint) -> Fingerprint:  # type: ignore[name-defined]

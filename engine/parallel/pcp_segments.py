@@ -23,6 +23,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.kda_scan import segment_bounds
+from kernels.upload import upload
 
 HALO = 7  # rows before a segment for the short conv's window (kernel size up to 8; Kimi-Linear: 4)
 
@@ -54,7 +55,7 @@ def _exchange(parts_send: list[list[torch.Tensor]], parts_recv: list[list[torch.
     send_counts = [sum(int(x.numel()) for x in ps) for ps in parts_send]
     recv_counts = [sum(int(x.numel()) for x in ps) for ps in parts_recv]
     flat = [x for ps in parts_send for x in ps] + [x for ps in parts_recv for x in ps]
-    index = (torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64)).to(device)  # one host->device copy
+    index = upload(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64), device)  # one host->device copy
     n = sum(send_counts)
     return RowExchange(index[:n], send_counts, index[n:], recv_counts, out_rows)
 
@@ -141,7 +142,7 @@ def plan_segments(full: ForwardBatch, size: int, me: int, local_rows: int, devic
         seqs=[c.seq for c in mine],
         seg_qsl=seg_qsl,
         seg_halo=[c.lo - c.start for c in mine],
-        core=(torch.cat(core) if core else torch.zeros(0, dtype=torch.int64)).to(device),
+        core=upload(torch.cat(core) if core else torch.zeros(0, dtype=torch.int64), device),
         last_owner=[max(r for r in range(size) if b[r][0] < b[r][1]) for b in bounds],
         to_segments=to_segments,
         to_rows=to_rows,

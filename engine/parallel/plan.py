@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, kv_write_fields
+from kernels.upload import upload
 
 
 @dataclass
@@ -55,23 +56,34 @@ class StopCommand:
 
 
 def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """The plan's host batch on this rank's device: uploads that do not wait for the GPU, and the rows that
+    write KV read off the host slot_mapping (no device-to-host look mid-forward)."""
     if device.type == "cpu":
         return batch
     return ForwardBatch(
-        input_ids=batch.input_ids.to(device),
-        positions=batch.positions.to(device),
+        input_ids=upload(batch.input_ids, device),
+        positions=upload(batch.positions, device),
         query_start_loc=batch.query_start_loc,
         context_lens=batch.context_lens,
-        block_tables=[t.to(device) for t in batch.block_tables],
-        slot_mapping=batch.slot_mapping.to(device),
+        block_tables=[upload(t, device) for t in batch.block_tables],
+        slot_mapping=upload(batch.slot_mapping, device),
         state_slots=batch.state_slots,
         has_initial_state=batch.has_initial_state,
-        logits_indices=batch.logits_indices.to(device),
+        logits_indices=upload(batch.logits_indices, device),
         request_ids=batch.request_ids,
         chunk_starts=batch.chunk_starts,
         completes_prompt=batch.completes_prompt,
         checkpoints=batch.checkpoints,
+        **(
+            kv_write_fields(batch.slot_mapping, device)  # a pipeline piece: read off its host slots
+            if batch.kv_write_rows is None and not batch.all_kv_written
+            else {"all_kv_written": batch.all_kv_written, "kv_write_rows": _maybe(batch.kv_write_rows, device)}
+        ),
     )
+
+
+def _maybe(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else upload(t, device)
 
 
 def split_batch(batch: ForwardBatch, n: int) -> list[ForwardBatch]:

@@ -3,7 +3,8 @@
     TANDEM_PROFILE_DIR=/tmp/prof [TANDEM_PROFILE_MIN_TOKENS=8192] [TANDEM_PROFILE_STEPS=4] python -m bench...
 
 Each rank writes ``rank{r}-step{n}-{tokens}.txt``: ops by device time and by host time. Off (no cost) unless
-the directory is set.
+the directory is set. With ``TANDEM_SYNC_CENSUS=1`` the same steps instead count where the host waited for
+the GPU (``engine/sync_census.py``): ``rank{r}-step{n}-{tokens}-syncs.txt``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from engine.sync_census import sync_census
+
 
 class StepProfiler:
     def __init__(self, rank: int) -> None:
@@ -25,6 +28,7 @@ class StepProfiler:
         self.left = int(os.environ.get("TANDEM_PROFILE_STEPS", "4"))
         self.skip = int(os.environ.get("TANDEM_PROFILE_SKIP", "0"))  # big steps to pass over first (warm-up)
         self.count = 0
+        self.syncs = os.environ.get("TANDEM_SYNC_CENSUS", "") == "1"
 
     @contextlib.contextmanager
     def step(self, num_tokens: int) -> Iterator[None]:
@@ -37,6 +41,14 @@ class StepProfiler:
             return
         self.left -= 1
         self.count += 1
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}-step{self.count}-{num_tokens}"
+        if self.syncs:
+            with sync_census() as seen:
+                yield
+            lines = [f"{sum(seen.values())} synchronising calls"] + [f"{n:5d}  {w}" for w, n in seen.most_common()]
+            (self.dir / f"{name}-syncs.txt").write_text("\n".join(lines) + "\n")
+            return
         acts = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -44,8 +56,7 @@ class StepProfiler:
             yield
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        self.dir.mkdir(parents=True, exist_ok=True)
         avg = prof.key_averages()
         by_device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         text = avg.table(sort_by=by_device, row_limit=35) + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=35)
-        (self.dir / f"rank{self.rank}-step{self.count}-{num_tokens}.txt").write_text(text)
+        (self.dir / f"{name}.txt").write_text(text)

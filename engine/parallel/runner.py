@@ -27,6 +27,7 @@ from engine.parallel.pcp import PCPForwardBatch, localize
 from engine.parallel.plan import StepPlan, split_batch, to_device
 from engine.parallel.profiling import StepProfiler
 from engine.parallel.stage import Stage
+from kernels.upload import upload
 
 EMITTED_LOG = 4096
 
@@ -65,26 +66,27 @@ class StageRunner:
     def _run(self, plan: StepPlan) -> torch.Tensor | None:
         for src, dst in plan.forks:  # every stage forks its own KDA layers' state (no-op without any)
             self.cache.copy_slot(src, dst)
-        batch = to_device(plan.batch, self.device)
+        batch = plan.batch  # host tensors: pieces are cut on the host, each moved to the device
         own_taps = [t for t in plan.aux_layer_ids if t in self.stage.layers or (t == -1 and self.groups.is_first_stage)]
         captured: dict[int, list[torch.Tensor]] = {t: [] for t in own_taps}
         in_flight: list[tuple[torch.distributed.Work, torch.Tensor]] = []
         parts: list[torch.Tensor] = []
-        for mb in split_batch(batch, plan.num_microbatches):
+        for mb_host in split_batch(batch, plan.num_microbatches):
+            mb = to_device(mb_host, self.device)
             local = localize(mb, self.groups) if self.pcp else mb
             h = self._stage_input(local)
             if -1 in captured:
-                captured[-1].append(self._rows(h, local, mb))
+                captured[-1].append(self._rows(h, local, mb_host))
             for i in self.stage.layers:
                 h = self.model.model.layers[i](h, local, self.cache, self.model.backends)
                 if i in captured:
-                    captured[i].append(self._rows(h, local, mb))
+                    captured[i].append(self._rows(h, local, mb_host))
                 for hook in self.model.layer_hooks:
                     hook(i, mb)
             if not self.groups.is_last_stage:
                 in_flight.append((self.groups.isend(h, self.groups.next_rank), h))
             elif mb.logits_indices.numel():
-                parts.append(self._logits(self._rows(h, local, mb)))
+                parts.append(self._logits(self._rows(h, local, mb_host)))
         for work, _ in in_flight:
             work.wait()
         self.taps = {t: torch.cat(rows) for t, rows in captured.items()}
@@ -96,17 +98,20 @@ class StageRunner:
         rows = local.rows.local_rows if isinstance(local, PCPForwardBatch) and local.rows else local.num_tokens
         return self.groups.recv((rows, self.hidden_size), self.dtype, self.groups.prev_rank)
 
-    def _rows(self, h: torch.Tensor, local: ForwardBatch, mb: ForwardBatch) -> torch.Tensor:
-        """h at the microbatch's logits rows [S, H], on every rank of the stage."""
-        idx = mb.logits_indices
+    def _rows(self, h: torch.Tensor, local: ForwardBatch, mb_host: ForwardBatch) -> torch.Tensor:
+        """h at the microbatch's logits rows [S, H], on every rank of the stage (index arithmetic on the
+        host copy of the rows: a boolean mask on the device would make the host wait for the forward)."""
+        idx = mb_host.logits_indices
         if isinstance(local, PCPForwardBatch) and local.rows is not None:
             # each sampling row lives on one PCP rank: every rank fills its own, all-gather, pick the owner's
             size, rank = local.rows.size, local.rows.rank
+            mine = (idx % size == rank).nonzero()[:, 0]
+            dev = upload(torch.cat([mine, idx[mine] // size, idx % size]), h.device)
+            n = mine.numel()
             buf = h.new_zeros(idx.numel(), h.shape[1])
-            mine = idx % size == rank
-            buf[mine] = h[idx[mine] // size]
-            return self.groups.all_gather(buf)[idx % size, torch.arange(idx.numel(), device=h.device)]
-        return h[idx]
+            buf[dev[:n]] = h[dev[n : 2 * n]]
+            return self.groups.all_gather(buf)[dev[2 * n :], torch.arange(idx.numel(), device=h.device)]
+        return h[upload(idx, h.device)]
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         logits = self.model.lm_head(self.model.model.norm(rows, self.model.backends)).float()

@@ -87,6 +87,9 @@ def chunk_kda_varlen(
         # from pinned memory: a pageable upload would make every KDA layer wait for the GPU
         cu_seqlens=(cu_cpu.pin_memory() if q.is_cuda else cu_cpu).to(q.device, non_blocking=True),
         cu_seqlens_cpu=cu_cpu,
+        # fla's chunk index table built on the device: its host-built one is uploaded with a blocking copy,
+        # which made every KDA layer of a prefill wait for the GPU (bench/sync_points.py found it)
+        use_graph=q.is_cuda,
     )
     if return_intermediate_states:
         with torch.inference_mode():

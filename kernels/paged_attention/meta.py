@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.triton_utils import next_pow2
+from kernels.upload import upload
 
 
 @dataclass
@@ -49,9 +50,9 @@ def pack_block_tables(block_tables: Sequence[torch.Tensor], device: torch.device
     out = torch.zeros(n, max(width, 1), dtype=torch.int32, device=device)
     if width == 0:
         return out
-    flat = torch.cat([t.reshape(-1).to(device=device) for t in block_tables]).to(torch.int32)
+    flat = torch.cat([upload(t.reshape(-1), device) for t in block_tables]).to(torch.int32)
     idx = torch.cat([torch.arange(length, dtype=torch.int64) + i * out.shape[1] for i, length in enumerate(lens)])
-    out.view(-1)[idx.to(device)] = flat
+    out.view(-1)[upload(idx, device)] = flat
     return out
 
 
@@ -108,7 +109,7 @@ def build_attn_meta(
     if q_pos0 is not None:
         ints += list(q_pos0)
     host = torch.tensor(ints, dtype=torch.int32)
-    dev = host.to(device, non_blocking=True)
+    dev = upload(host, device)
     o = 0
     qsl_t, o = dev[o : o + n + 1], o + n + 1
     ctx_t, o = dev[o : o + n], o + n

@@ -12,6 +12,7 @@ import torch
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.triton import _check_varlen, attention_fwd
 from kernels.triton_utils import check_device
+from kernels.upload import upload
 
 
 def absorb_weights(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: int):
@@ -146,7 +147,7 @@ def plan_mla(
             continue
         rows = None
         if len(seqs) < n:
-            rows = torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]).to(device)
+            rows = upload(torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]), device)
         sub_ql = [q_lens[i] for i in seqs]
         sub_ctx = [context_lens[i] for i in seqs]
         sub_p0 = None if q_pos0 is None else [q_pos0[i] for i in seqs]

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_utils import check_device, next_pow2
+from kernels.upload import upload
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def _as_int32(x, n: int, device: torch.device, name: str) -> torch.Tensor:
     )
     if t.shape != (n,):
         raise ValueError(f"{name} must have {n} entries, got {tuple(t.shape)}")
-    return t.to(device, non_blocking=True)
+    return upload(t, device)
 
 
 def short_conv_update(

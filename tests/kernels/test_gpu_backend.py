@@ -6,6 +6,7 @@ Without CUDA the GPU backends run their Triton kernels under the interpreter and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ from engine.backends import Backends, select_backends
 from engine.backends.base import MLADims
 from engine.backends.gpu import GPUAttentionBackend, GPUKDABackend, GPUMoEBackend
 from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, kv_write_fields
 from engine.sampling_params import SamplingParams
 from kernels.kda.naive import kda_gate, naive_chunk_kda_varlen
 from tests.conftest import make_engine, random_prompts
@@ -93,6 +94,26 @@ def test_write_kv_skips_cached_rows():
     GPUAttentionBackend().write_kv(mine, batch, entries)
     TorchAttentionBackend().write_kv(theirs, batch, entries)
     assert torch.equal(mine, theirs)
+
+
+def test_write_kv_takes_the_builders_host_rows():
+    """The rows to write come from the batch builder's host lists when it sets them (no device look)."""
+    assert kv_write_fields([4, 5, 6], torch.device("cpu")) == {"all_kv_written": True}
+    assert kv_write_fields([4, -1, 6, -1], torch.device("cpu"))["kv_write_rows"].tolist() == [0, 2]
+    batch = make_batch([3, 2], [3, 9], 4, 8)
+    batch.slot_mapping[1] = -1
+    entries = torch.randn(5, 2, 2, 8, device=DEVICE)
+    theirs = torch.zeros(8, 4, 2, 2, 8, device=DEVICE)
+    TorchAttentionBackend().write_kv(theirs, batch, entries)
+    exact = dataclasses.replace(batch, **kv_write_fields(batch.slot_mapping.cpu(), torch.device(DEVICE)))
+    mine = torch.zeros_like(theirs)
+    GPUAttentionBackend().write_kv(mine, exact, entries)
+    assert torch.equal(mine, theirs)
+    # the field is what decides: naming fewer rows writes fewer
+    fewer = dataclasses.replace(batch, kv_write_rows=torch.tensor([0], device=DEVICE))
+    mine.zero_()
+    GPUAttentionBackend().write_kv(mine, fewer, entries)
+    assert int((mine.view(32, -1) != 0).any(dim=1).sum()) == 1  # one KV row, of five
 
 
 def _kda_inputs(t, h, kd, seed):
