@@ -380,7 +380,8 @@ def section_state_copy(rep: Report, quick: bool) -> None:
 
 def section_moe(rep: Report, quick: bool) -> None:
     from kernels.moe.align import MAX_PAIRS, moe_align_auto, moe_align_triton
-    from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align
+    from kernels.moe.combine import moe_combine_triton
+    from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align, moe_combine
     from kernels.moe.naive import naive_moe, sigmoid_topk_route
     from kernels.moe.triton import sigmoid_topk_route_triton
 
@@ -428,7 +429,18 @@ def section_moe(rep: Report, quick: bool) -> None:
             out = grouped_moe(x, weights, ids, w1, w3, w2, **kw)
             ms = timed(lambda: grouped_moe(x, weights, ids, w1, w3, w2, **kw), iters=5)  # noqa: B023
             rep.check(f"experts T={t}: packed w13, one-launch align", ref, out[: ref.shape[0]], ms, nbytes, flops)
+            kw["combine"] = moe_combine_triton  # as GPUMoEBackend runs it
+            out = grouped_moe(x, weights, ids, w1, w3, w2, **kw)
+            ms = timed(lambda: grouped_moe(x, weights, ids, w1, w3, w2, **kw), iters=5)  # noqa: B023
+            rep.check(f"experts T={t}: + one-launch combine", ref, out[: ref.shape[0]], ms, nbytes, flops)
             del w13
+        y = torch.randn(t * k, hid, device=DEV, dtype=BF16)  # the combine alone, against torch's gather + sum
+        rows = torch.randperm(t * k, device=DEV)
+        want = moe_combine(y, rows, weights, BF16)
+        ms = timed(lambda: moe_combine_triton(y, rows, weights, BF16))  # noqa: B023
+        rep.check(f"combine T={t}: one launch", want, moe_combine_triton(y, rows, weights, BF16), ms, y.numel() * 2)
+        ms = timed(lambda: moe_combine(y, rows, weights, BF16))  # noqa: B023
+        rep.check(f"combine T={t}: torch", None, None, ms, y.numel() * 2)
         if t * k <= MAX_PAIRS:
             al_ref, al = moe_align(ids, e), moe_align_triton(ids, e)
             rep.check(f"align T={t}: order", al_ref.order, al.order, exact=True)

@@ -7,6 +7,8 @@
 #   bash bench/gpu_session.sh par-kimi-b     # 2 x H200: Kimi mid, pp=2 + tp=2
 #   bash bench/gpu_session.sh par-qwen       # 2 x H200: Qwen3-8B-layer shape, all layouts
 #   bash bench/gpu_session.sh pcp-check      # 2 x H200: tiny Kimi-Linear in fp32 (IEEE dots), pcp2 vs one GPU
+#   bash bench/gpu_session.sh pcp-trace      # 2 x H200: Kimi mid 16k / 64k, one GPU and pcp2, with host+device
+#                                            # traces of every rank and where each GPU waited (bench/mid/gaps.py)
 #   bash bench/gpu_session.sh mla-sweep      # 1 x H200: launch parameters of the MLA latent decode kernel
 #   bash bench/gpu_session.sh handoff        # the GPU host's 16 cores: KV handoff gRPC vs raw TCP (issue 3; ~1 min;
 #                                            # needs grpcio 1.78.0 + protobuf 6.33.6 + zlib-ng 1.1.0 cp312 wheels too)
@@ -23,7 +25,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|mla-sweep|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -33,6 +35,10 @@ case "$step" in
   par-qwen) python -m bench.parallel_gpu --arch qwen3 --out "$OUT/par_qwen.json" "$@" ;;
   pcp-check) TRITON_F32_DEFAULT=ieee python -m bench.parallel_gpu --tiny --dtype float32 --arch kimi_linear \
       --layouts single pcp2 --pcp-lens 1000 3000 --out "$OUT/pcp_check.json" "$@" ;;
+  pcp-trace) TANDEM_PROFILE_DIR="$OUT/rank_traces" TANDEM_PROFILE_TRACE=1 TANDEM_PROFILE_MIN_TOKENS=65536 \
+      TANDEM_PROFILE_SKIP=2 TANDEM_PROFILE_STEPS=1 python -m bench.parallel_gpu --arch kimi_linear --layouts single pcp2 \
+      --workloads pcp --pcp-lens 16384 65536 --repeat 1 --trace-dir "$OUT/traces" --out "$OUT/pcp_trace.json" "$@"
+    python -m bench.mid.gaps "$OUT"/rank_traces/*-trace.json.gz | tee "$OUT/rank_gaps.txt" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   handoff) python -m bench.handoff --total-mib 128 --repeats 3 "$@" | tee "$OUT/handoff.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

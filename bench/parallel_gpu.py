@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.mid import gaps
 from bench.mid.checkpoint import MidSpec, write_mid_model
 from bench.parallel import _prompts, decode_step_ms, prefill_seconds
 from engine.config import EngineConfig
@@ -86,6 +87,8 @@ def run_layout(a: argparse.Namespace, layout: str, device: str, dtype: str) -> d
             rec["pcp"] = {}
             for n in a.pcp_lens:
                 s = prefill_seconds(eng, _prompts(1, n, vocab, n), a.repeat)
+                if a.trace_dir:
+                    _trace(a, f"{a.arch}-{layout}-{n}", eng, _prompts(1, n, vocab, n))
                 greedy = SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True)
                 tokens = eng.generate(_prompts(1, n, vocab, n), greedy)[0].output_token_ids
                 rec["pcp"][str(n)] = {"seconds": s, "tokens_per_s": n / s, "tokens": list(tokens)}
@@ -105,6 +108,23 @@ def run_layout(a: argparse.Namespace, layout: str, device: str, dtype: str) -> d
     finally:
         eng.close()
     return rec
+
+
+def _trace(a: argparse.Namespace, name: str, eng: Any, prompts: list[list[int]]) -> None:
+    """One more run under torch.profiler on this (the driver's, rank 0's) process: the whole step, host and
+    device, as a trace, and where the device waited (bench/mid/gaps.py)."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    a.trace_dir.mkdir(parents=True, exist_ok=True)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with torch.profiler.profile(activities=acts) as prof:
+        eng.generate(prompts, one)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path = a.trace_dir / f"{name}.json.gz"
+    prof.export_chrome_trace(str(path))
+    print(gaps.report(name, gaps.summarise(gaps.load_events(path))), flush=True)
 
 
 def _speedup(mine: float, base: float, lower_is_better: bool) -> str:
@@ -152,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp-batch", type=int, default=None)
     p.add_argument("--tp-ctx", type=int, default=None)
     p.add_argument("--workloads", nargs="*", default=None, choices=("pcp", "pp", "tp"), help="default: all of each")
+    p.add_argument("--trace-dir", type=Path, default=None, help="keep a profiler trace of one more run per prompt")
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--kv-gib", type=float, default=8.0)

@@ -20,6 +20,7 @@ from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch, upload
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.moe.align import moe_align_auto
+from kernels.moe.combine import moe_combine_auto
 from kernels.moe.grouped import grouped_moe
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
@@ -351,7 +352,9 @@ class GPUMoEBackend(MoEBackend):
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return grouped_moe(x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto)
+        return grouped_moe(
+            x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto, combine=moe_combine_auto
+        )
 
 
 def gpu_kda_backend() -> KDABackend:

@@ -4,7 +4,9 @@
 
 Each rank writes ``rank{r}-step{n}-{tokens}.txt``: ops by device time and by host time. Off (no cost) unless
 the directory is set. With ``TANDEM_SYNC_CENSUS=1`` the same steps instead count where the host waited for
-the GPU (``engine/sync_census.py``): ``rank{r}-step{n}-{tokens}-syncs.txt``.
+the GPU (``engine/sync_census.py``): ``rank{r}-step{n}-{tokens}-syncs.txt``. With ``TANDEM_PROFILE_TRACE=1``
+the profiled steps' traces are kept too (``...-trace.json.gz``; ``python -m bench.mid.gaps`` lists where the
+GPU waited).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class StepProfiler:
         self.skip = int(os.environ.get("TANDEM_PROFILE_SKIP", "0"))  # big steps to pass over first (warm-up)
         self.count = 0
         self.syncs = os.environ.get("TANDEM_SYNC_CENSUS", "") == "1"
+        self.trace = os.environ.get("TANDEM_PROFILE_TRACE", "") == "1"
 
     @contextlib.contextmanager
     def step(self, num_tokens: int) -> Iterator[None]:
@@ -41,6 +44,9 @@ class StepProfiler:
             return
         self.left -= 1
         self.count += 1
+        if _profiler_running():  # counted, so every rank's n-th profiled step is the same step
+            yield
+            return
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}-step{self.count}-{num_tokens}"
         if self.syncs:
@@ -60,3 +66,10 @@ class StepProfiler:
         by_device = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         text = avg.table(sort_by=by_device, row_limit=35) + "\n\n" + avg.table(sort_by="cpu_time_total", row_limit=35)
         (self.dir / f"{name}.txt").write_text(text)
+        if self.trace:
+            prof.export_chrome_trace(str(self.dir / f"{name}-trace.json.gz"))
+
+
+def _profiler_running() -> bool:
+    """A profiler around the whole step is already on (a benchmark's trace on rank 0): kineto does not nest."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)

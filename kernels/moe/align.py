@@ -25,6 +25,7 @@ def _moe_align_kernel(
     IDS,  # [N] int64 expert of each pair (pair j = token j // TOP_K, slot j % TOP_K)
     ORDER,  # [N] int64 out: pair index of each sorted row
     TOKEN,  # [N] int64 out: token of each sorted row
+    POSITION,  # [N] int64 out: sorted row of each pair (the inverse of ORDER)
     ENDS,  # [E] int32 out: end row of each expert's group
     N,
     E,
@@ -52,6 +53,7 @@ def _moe_align_kernel(
         pos = base + tl.sum(before.to(tl.int32), axis=1)
         tl.store(ORDER + pos, o.to(tl.int64), mask=m)
         tl.store(TOKEN + pos, (o // TOP_K).to(tl.int64), mask=m)
+        tl.store(POSITION + o, pos.to(tl.int64), mask=m)
         running += tl.sum(hot, axis=0)
 
 
@@ -64,13 +66,24 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int) -> MoEAlign:
     n = flat.numel()
     order = torch.empty(n, dtype=torch.int64, device=ids.device)
     token = torch.empty(n, dtype=torch.int64, device=ids.device)
+    position = torch.empty(n, dtype=torch.int64, device=ids.device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     block_e = next_pow2(num_experts)
     block = max(16, min(64, 16384 // block_e))  # the [BLOCK, BLOCK_E] one-hot stays in registers
     _moe_align_kernel[(1,)](
-        flat, order, token, ends, n, num_experts, TOP_K=ids.shape[1], BLOCK=block, BLOCK_E=block_e, num_warps=8
+        flat,
+        order,
+        token,
+        position,
+        ends,
+        n,
+        num_experts,
+        TOP_K=ids.shape[1],
+        BLOCK=block,
+        BLOCK_E=block_e,
+        num_warps=8,
     )
-    return MoEAlign(order=order, token=token, offsets=ends)
+    return MoEAlign(order=order, token=token, offsets=ends, position=position)
 
 
 def moe_align_auto(ids: torch.Tensor, num_experts: int) -> MoEAlign:

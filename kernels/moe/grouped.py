@@ -2,9 +2,10 @@
 
     sort the T*k (token, expert) pairs by expert -> offsets per expert
     h1 = x_sorted @ w1[e]^T, h3 = x_sorted @ w3[e]^T   (grouped GEMM, one launch for all experts)
-    a  = silu(h1) * h3 * routing weight                 (weight folded in before the down projection)
+    a  = silu(h1) * h3
     y  = a @ w2[e]^T                                    (grouped GEMM)
-    out[t] = sum over its k rows of y                   (un-sort + sum: deterministic, no atomics)
+    out[t] = sum_s weight[t, s] * y[row of pair (t, s)] (the combine: gathers, fp32 sum, no atomics;
+                                                         one Triton launch in kernels/moe/combine.py)
 
 ``impl="grouped_mm"`` uses ``torch.nn.functional.grouped_mm`` (CUTLASS on sm90: bf16 only, 16-byte aligned
 rows); ``impl="loop"`` runs one matmul per non-empty expert on the same sorted layout (one host sync);
@@ -32,6 +33,22 @@ class MoEAlign:
     order: torch.Tensor  # [T*k] int64
     token: torch.Tensor  # [T*k] int64 token of each sorted row
     offsets: torch.Tensor  # [E] int32 end row of each expert's group (cumulative counts)
+    position: torch.Tensor | None = None  # [T*k] int64 row of each pair (the inverse of order), if known
+
+    def rows_of_pairs(self) -> torch.Tensor:
+        """[T*k] sorted row of each (token, slot) pair."""
+        if self.position is not None:
+            return self.position
+        pos = torch.empty_like(self.order)
+        return pos.scatter_(0, self.order, torch.arange(self.order.numel(), device=self.order.device))
+
+
+def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum_s weights[t, s] * y[rows[t * k + s]] in fp32. y [T*k, H] expert outputs in sorted order,
+    rows [T*k], weights [T, k] -> [T, H] ``out_dtype``. (kernels/moe/combine.py: the same in one launch.)"""
+    t, k = weights.shape
+    picked = y[rows].view(t, k, y.shape[1]).float()
+    return (picked * weights.float()[..., None]).sum(dim=1).to(out_dtype)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int) -> MoEAlign:
@@ -85,10 +102,13 @@ def grouped_moe(
     impl: str = "auto",
     w13: torch.Tensor | None = None,
     align: Callable[[torch.Tensor, int], MoEAlign] | None = None,
+    combine: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; weights [T, k] fp32; ids [T, k]; w1/w3 (gate/up) [E, I, H]; w2 (down) [E, H, I] -> [T, H].
     w13 [E, 2I, H]: w1 | w3 stacked (optional): the gate and up projections as one grouped GEMM.
-    align: builds the expert-sorted layout (default ``moe_align``; kernels/moe/align.py has a one-launch one)."""
+    align: builds the expert-sorted layout (default ``moe_align``; kernels/moe/align.py has a one-launch one).
+    combine: the weighted sum of each token's k expert outputs (default ``moe_combine``; kernels/moe/combine.py).
+    The routing weight is applied to the down projection's output, in fp32 (as HF's reference does)."""
     if x.ndim != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"x [T, H], weights and ids [T, k]; got {tuple(x.shape)}, {tuple(weights.shape)}, {tuple(ids.shape)}"
@@ -104,7 +124,7 @@ def grouped_moe(
     if impl == "grouped_mm" and _grouped_mm is None:
         raise RuntimeError("this torch has no grouped_mm")
     gemm = _gemm_grouped if impl == "grouped_mm" else _gemm_loop
-    t, k = ids.shape
+    t = ids.shape[0]
     if t == 0:
         return torch.zeros_like(x)
     al = (align or moe_align)(ids, e)
@@ -126,11 +146,8 @@ def grouped_moe(
         _grouped_mm_failed(err)
         gemm = _gemm_loop
         a = gate_up(gemm)
-    a = a * weights.reshape(-1)[al.order].to(a.dtype)[:, None]
     y = gemm(a, w2, al.offsets)  # [T*k, H]
-    y_pairs = torch.empty_like(y)
-    y_pairs[al.order] = y
-    return y_pairs.view(t, k, h).sum(dim=1).to(x.dtype)
+    return (combine or moe_combine)(y, al.rows_of_pairs(), weights, x.dtype)
 
 
-__all__ = ["MoEAlign", "grouped_mm_supported", "grouped_moe", "moe_align"]
+__all__ = ["MoEAlign", "grouped_mm_supported", "grouped_moe", "moe_align", "moe_combine"]

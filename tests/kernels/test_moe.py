@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.moe.align import moe_align_triton
-from kernels.moe.grouped import grouped_moe, moe_align
+from kernels.moe.combine import moe_combine_triton
+from kernels.moe.grouped import grouped_moe, moe_align, moe_combine
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.moe.triton import sigmoid_topk_route_triton
 from tests.kernels.helpers import DEVICE, assert_close, tol
@@ -76,6 +77,27 @@ def test_moe_align_triton_is_the_stable_sort(t, e, k, hot):
     assert got.offsets.tolist() == want.offsets.tolist()
     assert got.order.tolist() == want.order.tolist()
     assert got.token.tolist() == want.token.tolist()
+    rows = got.rows_of_pairs()  # the kernel's own inverse of the order
+    assert got.position is not None and rows.tolist() == want.rows_of_pairs().tolist()
+    assert torch.equal(got.order[rows], torch.arange(t * k, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("t", "k", "h"), [(1, 8, 64), (37, 3, 200), (5, 2, 2304)])
+def test_combine_triton_matches_torch_and_the_definition(t, k, h, dtype):
+    g = torch.Generator().manual_seed(t * k)
+    y = torch.randn(t * k, h, generator=g).to(DEVICE, dtype)
+    rows = torch.randperm(t * k, generator=g).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    want = torch.stack([sum(weights[i, s] * y[rows[i * k + s]].float() for s in range(k)) for i in range(t)])
+    ref, got = moe_combine(y, rows, weights, dtype), moe_combine_triton(y, rows, weights, dtype)
+    assert got.dtype == ref.dtype == dtype
+    assert_close("torch combine", want, ref.float(), tol(dtype) if dtype == torch.float32 else 1e-2)
+    assert_close("triton combine", ref.float(), got.float(), tol(dtype) if dtype == torch.float32 else 1e-2)
+    if t > 1:  # a row of another token changes the result: the test sees the gather
+        swapped = rows.clone()
+        swapped[[0, k]] = swapped[[k, 0]]
+        assert not torch.allclose(moe_combine_triton(y, swapped, weights, dtype).float(), got.float())
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["w1_w3", "w13"])
@@ -96,9 +118,10 @@ def test_experts(t, e, k, h, i, dtype, impl, packed):
     if packed:  # gate | up in one tensor, w1 / w3 its views (SparseMoE.pack_weights)
         w13 = torch.cat([w1, w3], dim=1)
         w1, w3 = w13[:, :i], w13[:, i:]
-    out = grouped_moe(x, weights, ids, w1, w3, w2, impl=impl, w13=w13)
-    assert out.dtype == dtype
-    assert_close("y", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
+    for combine in (None, moe_combine_triton):
+        out = grouped_moe(x, weights, ids, w1, w3, w2, impl=impl, w13=w13, combine=combine)
+        assert out.dtype == dtype
+        assert_close("y", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
 
 
 def test_experts_rejects_bad_shapes():

@@ -1,0 +1,70 @@
+"""The MoE combine in one Triton launch: each token's k expert outputs, weighted and summed. Contract:
+``grouped.moe_combine`` (torch: a gather, a multiply, a sum and a cast).
+
+The grouped GEMMs leave the expert outputs in expert-sorted rows. Un-sorting them (a scatter of T*k rows),
+weighting and summing took four kernels and wrote / re-read the whole [T*k, H] block; here one program per
+(token, column block) gathers the token's k rows straight from the sorted block and sums them in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.grouped import moe_combine
+from kernels.triton_utils import check_device, is_interpreting, next_pow2
+
+
+@triton.jit
+def _moe_combine_kernel(
+    Y,  # [T*k, H] expert outputs, sorted rows
+    ROWS,  # [T*k] int64 sorted row of pair t*k + s
+    W,  # [T, k] routing weights (any float dtype)
+    OUT,  # [T, H]
+    H,
+    stride_y,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        row = tl.load(ROWS + t * TOP_K + s)
+        w = tl.load(W + t * TOP_K + s).to(tl.float32)
+        acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + t.to(tl.int64) * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=m)
+
+
+def moe_combine_triton(
+    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """y [T*k, H], rows [T*k] int64, weights [T, k] -> [T, H] ``out_dtype`` (``grouped.moe_combine``)."""
+    check_device("moe_combine_triton", y, rows, weights)
+    t, k = weights.shape
+    if y.ndim != 2 or y.shape[0] != t * k or rows.shape != (t * k,):
+        raise ValueError(f"y must be [T*k, H] and rows [T*k] for weights {tuple(weights.shape)}")
+    y = y if y.stride(1) == 1 else y.contiguous()
+    h = y.shape[1]
+    out = torch.empty(t, h, dtype=out_dtype, device=y.device)
+    if t == 0:
+        return out
+    block_h = min(1024, next_pow2(h))
+    grid = (t, triton.cdiv(h, block_h))
+    _moe_combine_kernel[grid](
+        y, rows.contiguous(), weights.contiguous(), out, h, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block_h
+    )
+    return out
+
+
+def moe_combine_auto(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
+    """The Triton combine on CUDA (or under the interpreter: the GPU backends' host tests), torch's otherwise."""
+    if y.is_cuda or is_interpreting():
+        return moe_combine_triton(y, rows, weights, out_dtype)
+    return moe_combine(y, rows, weights, out_dtype)
+
+
+__all__ = ["moe_combine_auto", "moe_combine_triton"]
