@@ -77,12 +77,15 @@ def to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
         **(
             kv_write_fields(batch.slot_mapping, device)  # a pipeline piece: read off its host slots
             if batch.kv_write_rows is None and not batch.all_kv_written
-            else {"all_kv_written": batch.all_kv_written, "kv_write_rows": _maybe(batch.kv_write_rows, device)}
+            else {
+                "all_kv_written": batch.all_kv_written,
+                "kv_write_rows": _upload_optional(batch.kv_write_rows, device),
+            }
         ),
     )
 
 
-def _maybe(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+def _upload_optional(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else upload(t, device)
 
 
