@@ -6,7 +6,7 @@ import torch
 
 from engine.cache.tensors import CacheTensors
 from engine.decode_graph import DecodeGraphs
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, kv_write_fields
 from engine.models.base import CausalLM
 from engine.scheduler import ScheduledChunk
 from engine.step_rows import StepRows, int64_tensor
@@ -27,7 +27,6 @@ class ModelRunner:
         qsl = [0]
         ctx, tables, slots, has_init, logits_idx = [], [], [], [], []
         rids, starts, completes, cks = [], [], [], []
-        reused: list[int] = []  # per chunk: leading rows whose KV is already cached (slot -1)
         for c in chunks:
             req = c.request
             end = c.start + c.num_tokens
@@ -35,7 +34,6 @@ class ModelRunner:
             pages = int64_tensor(req.page_ids)
             ids = req.all_token_ids[c.start : known] + list(c.drafts)
             rows.add(ids, c.start, end, req.page_ids, pages, req.kv_cached_tokens)
-            reused.append(min(max(req.kv_cached_tokens - c.start, 0), c.num_tokens))
             qsl.append(qsl[-1] + c.num_tokens)
             ctx.append(end)
             tables.append(upload(pages, self.device))
@@ -47,19 +45,14 @@ class ModelRunner:
             starts.append(c.start)
             completes.append(c.samples)
             cks.append(c.checkpoints)
-        input_ids, positions, slot_mapping = (upload(t, self.device) for t in rows.tensors())
-        if not any(reused):
-            kv_rows: dict = {"all_kv_written": True}
-        else:  # the rows after each chunk's cached prefix
-            written = [torch.arange(a + r, b) for a, b, r in zip(qsl[:-1], qsl[1:], reused, strict=True)]
-            kv_rows = {"kv_write_rows": upload(torch.cat(written), self.device)}
+        host_ids, host_positions, host_slots = rows.tensors()
         return ForwardBatch(
-            input_ids=input_ids,
-            positions=positions,
+            input_ids=upload(host_ids, self.device),
+            positions=upload(host_positions, self.device),
             query_start_loc=qsl,
             context_lens=ctx,
             block_tables=tables,
-            slot_mapping=slot_mapping,
+            slot_mapping=upload(host_slots, self.device),
             state_slots=slots,
             has_initial_state=has_init,
             logits_indices=upload(torch.tensor(logits_idx, dtype=torch.int64), self.device),
@@ -67,7 +60,7 @@ class ModelRunner:
             chunk_starts=starts,
             completes_prompt=completes,
             checkpoints=cks,
-            **kv_rows,
+            **kv_write_fields(host_slots, self.device),
         )
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ import torch
 from engine.backends.base import AttentionBackend, KDABackend, MLADims, MoEBackend
 from engine.backends.gpu_static import KDADecodeStep, static_attn_meta, static_mla_parts
 from engine.backends.per_step import PerStep
-from engine.forward_batch import ForwardBatch, upload
+from engine.forward_batch import ForwardBatch, kv_write_fields
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
@@ -27,14 +27,14 @@ from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
 from kernels.paged_attention.triton import attention_fwd
 from kernels.short_conv.triton import short_conv_update
+from kernels.upload import upload
 
 logger = logging.getLogger(__name__)
 
 
-def _kept_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    """Indices of the rows to write, or None when all are written."""
-    keep = slot_mapping >= 0
-    return None if bool(keep.all()) else keep.nonzero()[:, 0]
+def _kv_write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """What a batch builder sets on the host (``kv_write_fields``), for a batch built without it."""
+    return kv_write_fields(slot_mapping.cpu(), slot_mapping.device).get("kv_write_rows")
 
 
 def _q_lens(batch: ForwardBatch) -> list[int]:
@@ -59,13 +59,10 @@ class GPUAttentionBackend(AttentionBackend):
         if batch.decode_meta is not None:  # static decode: every row has a target (padding: the scratch page)
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
             return
-        # rows with slot -1 reuse cached KV: from the builder's host lists, else found once per step (a sync)
-        if batch.all_kv_written:
-            keep = None
-        elif batch.kv_write_rows is not None:
-            keep = batch.kv_write_rows
-        else:
-            keep = self._step.get(batch, "keep", lambda: _kept_rows(batch.slot_mapping))
+        # rows with slot -1 reuse cached KV: the builder's host fields, else read once per step (a sync)
+        keep = batch.kv_write_rows
+        if keep is None and not batch.all_kv_written:
+            keep = self._step.get(batch, "keep", lambda: _kv_write_rows(batch.slot_mapping))
         if keep is None:
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
         else:
