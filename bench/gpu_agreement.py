@@ -1,8 +1,10 @@
 """GPU engine (bf16, fast kernels) vs the CPU fp32 reference path and vs HF transformers on the GPU:
 top-1 agreement over >= 2k generated tokens, teacher-forced on the reference continuation (so one
-early near-tie does not cascade into the rest of the comparison).
+early near-tie does not cascade into the rest of the comparison); and each GPU decode mode (eager, CUDA
+graphs, graphs + overlapped scheduling) against the GPU's own prefill path on the sequence it generated
+(the decode step and the prefill must pick the same token from the same prefix, short of near-ties).
 
-    python -m bench.gpu_agreement [--prompts 32] [--tokens 64]
+    python -m bench.gpu_agreement [--prompts 32] [--tokens 64] [--dtype bfloat16] [--arch kimi_linear qwen3]
 """
 
 from __future__ import annotations
@@ -18,38 +20,57 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tiny_model import make_tiny_model
 
+MODES = {"eager": {}, "graphs": {"cuda_graphs": True}, "overlapped": {"cuda_graphs": True, "async_scheduling": True}}
 
-def agreement(arch: str, n_prompts: int, n_tokens: int, dtype: str = "bfloat16") -> dict[str, float]:
+
+def _teacher_forced(eng: LLMEngine, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """The engine's prefill argmax at every generated position of prompt + out."""
+    seq = prompt + out
+    return eng.prompt_logits(seq[:-1])[len(prompt) - 1 :].argmax(-1).cpu()
+
+
+def agreement(
+    arch: str, n_prompts: int, n_tokens: int, dtype: str = "bfloat16", device: str = "cuda"
+) -> dict[str, float]:
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch))
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(4, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n_prompts)
     ]
+    greedy = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
     cpu = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", cpu_threads=8))
-    ref = cpu.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True))
-    gpu = LLMEngine(EngineConfig(model=model, device="cuda", dtype=dtype, kv_cache_memory_bytes=2 << 30))
-    gpu_free = gpu.generate(prompts, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True))
+    ref = [r.output_token_ids for r in cpu.generate(prompts, greedy)]
+    res: dict[str, float] = {}
+    gpu = None
+    for mode, flags in MODES.items():
+        eng = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_memory_bytes=2 << 30, **flags))
+        outs = [r.output_token_ids for r in eng.generate(prompts, greedy)]
+        # the decode path vs this engine's own prefill path on the same tokens
+        same = sum(
+            int((_teacher_forced(eng, p, o) == torch.tensor(o)).sum()) for p, o in zip(prompts, outs, strict=True)
+        )
+        res[f"{mode}_decode_vs_own_prefill_top1"] = same / sum(len(o) for o in outs)
+        res[f"{mode}_free_running_sequences_equal_cpu_fp32"] = (
+            sum(o == r for o, r in zip(outs, ref, strict=True)) / n_prompts
+        )
+        if mode == "eager":
+            gpu = eng
+        else:
+            del eng
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).cuda().eval()
-    agree_cpu = agree_hf = total = free_equal = 0
-    for p, r, fr in zip(prompts, ref, gpu_free, strict=True):
-        seq = p + r.output_token_ids
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    agree_cpu = agree_hf = total = 0
+    for p, r in zip(prompts, ref, strict=True):
+        seq = p + r
         ours = gpu.prompt_logits(seq[:-1])[len(p) - 1 :].argmax(-1).cpu()
         with torch.no_grad():
-            theirs = hf(torch.tensor([seq[:-1]], device="cuda")).logits[0, len(p) - 1 :].argmax(-1).cpu()
-        want = torch.tensor(r.output_token_ids)
-        agree_cpu += int((ours == want).sum())
+            theirs = hf(torch.tensor([seq[:-1]], device=device)).logits[0, len(p) - 1 :].argmax(-1).cpu()
+        agree_cpu += int((ours == torch.tensor(r)).sum())
         agree_hf += int((ours == theirs).sum())
-        total += len(want)
-        free_equal += int(fr.output_token_ids == r.output_token_ids)
-    return {
-        "tokens": total,
-        "gpu_vs_cpu_fp32_top1": agree_cpu / total,
-        "gpu_vs_hf_gpu_top1": agree_hf / total,
-        "free_running_sequences_identical": free_equal / n_prompts,
-    }
+        total += len(r)
+    return {"tokens": total, "gpu_vs_cpu_fp32_top1": agree_cpu / total, "gpu_vs_hf_gpu_top1": agree_hf / total, **res}
 
 
 def main() -> None:
@@ -57,9 +78,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda", help="cpu: a host check of the script itself")
+    ap.add_argument("--arch", nargs="*", default=["kimi_linear", "qwen3"])
     a = ap.parse_args()
-    for arch in ("kimi_linear", "qwen3"):
-        r = agreement(arch, a.prompts, a.tokens, a.dtype)
+    for arch in a.arch:
+        r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device)
         print(
             f"{arch} {a.dtype}: "
             + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),

@@ -1,6 +1,6 @@
 """KV handoff throughput on loopback: the decode worker's receive path vs a raw TCP copy of the same bytes.
 
-python -m bench.handoff [--total-mib 256] [--repeats 3] [--max-message-kib 256 1024 4096]
+python -m bench.handoff [--total-mib 256] [--repeats 3] [--max-message-kib 256 1024 4096] [--lanes 1 2 4]
 
 What is sent (bench/handoff_data.py): one long prompt's handoff for a model with Kimi-Linear-48B's cache
 shapes (7 MLA layers, 20 KDA layers' state), cut into messages by the real producer
@@ -15,7 +15,14 @@ Receivers, in this process, interleaved repeat by repeat so they see the same lo
 - gRPC, decode worker path: exactly DecodeService._pull's: ``wire.prefill_call`` on ``grpc_util.channel``,
   each message into ``HandoffConsumer.accept`` (CRC-32 verified, then written into the reserved pages of a
   CacheTensors at scattered page ids), ending with its completeness checks.
+- gRPC, decode worker path, copies on the loop: the same with the checksums and copies on the event loop
+  (``HandoffConsumer(offload_writes=False)``) instead of the worker threads of engine/kv_transfer/writes.py.
 - gRPC, transport only: the same stream as raw message bytes, nothing parsed (the floor under that path).
+
+With ``--lanes``, each gRPC path also runs with the handoff dealt over that many streams (the Prefill stream +
+PullLane, engine/kv_transfer/lanes.py), each on its own connection, as a decode worker started with
+``--handoff-lanes N`` pulls it (``decode_svc.pull.pull_handoff``); and raw TCP over as many sockets, for
+reference. The ratio column is always against the single raw socket.
 
 Every transfer also records the CPU seconds of both processes. The breakdown times each receiver step alone,
 as CPU seconds per GB of payload.
@@ -35,28 +42,39 @@ import struct
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from bench import handoff_data as hd
-from engine.kv_transfer.wire import EncodedChunk, add_prefill_servicer, parse_chunk, prefill_call
-from tandem.grpc_util import SERVER_OPTIONS, channel
+from decode_svc.pull import pull_handoff
+from engine.kv_transfer.wire import EncodedChunk, add_prefill_servicer, lane_pull_call, parse_chunk, prefill_call
+from tandem.grpc_util import SERVER_OPTIONS, channel, own_connection_channel
+from tandem.malloc import tune_malloc
 
 MIB = 1 << 20
 SEED = 0
 RAW, DECODE, TRANSPORT = "raw TCP", "gRPC, decode worker path", "gRPC, transport only"
+DECODE_INLINE = "gRPC, decode worker path, copies on the loop"
 
 
 # ---- senders (separate processes) ----------------------------------------------------------------
 
 
 def _raw_sender(port_q, total: int) -> None:
+    import threading
+
     torch.set_num_threads(1)
     data = memoryview(os.urandom(total))
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
+    while True:  # one thread per connection: the receiver opens one per lane
+        conn, _ = srv.accept()
+        threading.Thread(target=_raw_serve, args=(conn, data), daemon=True).start()
+
+
+def _raw_serve(conn: socket.socket, data: memoryview) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     hdr = bytearray(8)
     while True:
@@ -72,6 +90,7 @@ def _raw_sender(port_q, total: int) -> None:
 
 def _grpc_sender(port_q, num_tokens: int) -> None:
     torch.set_num_threads(1)
+    tune_malloc()  # as a prefill worker (tandem/worker.py)
     asyncio.run(_grpc_serve(port_q, num_tokens))
 
 
@@ -84,17 +103,21 @@ async def _grpc_serve(port_q, num_tokens: int) -> None:
     cache = hd.make_cache(cfg, -(-num_tokens // hd.PAGE_SIZE), SEED)
 
     class Servicer(prefill_pb2_grpc.PrefillServicer):
-        size, msgs = 0, []
+        key, streams = None, []
 
         async def Prefill(self, request, context):
-            m = request.max_message_bytes
-            if m != self.size:  # built outside the receiver's clock: it sends "prepare" first
-                self.msgs = []
-                self.msgs = hd.produce(cfg, cache, num_tokens, m)
-                self.size = m
+            key = (request.max_message_bytes, max(1, request.lanes))
+            if key != self.key:  # built outside the receiver's clock: it sends "prepare" first
+                self.streams = []
+                self.streams = hd.deal(hd.produce(cfg, cache, num_tokens, key[0]), key[1])
+                self.key = key
             if request.request_id != "prepare":
-                for msg in self.msgs:
+                for msg in self.streams[0]:
                     yield msg.wire if isinstance(msg, EncodedChunk) else msg
+
+        async def PullLane(self, request, context):
+            for msg in self.streams[request.lane]:
+                yield msg.wire if isinstance(msg, EncodedChunk) else msg
 
     server = grpc.aio.server(options=SERVER_OPTIONS)
     add_prefill_servicer(Servicer(), server)
@@ -150,16 +173,26 @@ class Clock:
         )
 
 
-def raw_receive(sock: socket.socket, buf: bytearray, sender_pid: int) -> Sample:
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    sock.sendall(struct.pack("<Q", len(view)))
+    got, total = 0, len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], min(total - got, 4 * MIB))
+        if n == 0:
+            raise ConnectionError("raw sender closed the connection")
+        got += n
+
+
+def raw_receive(socks: list[socket.socket], buf: bytearray, sender_pid: int) -> Sample:
+    """The payload's bytes over len(socks) sockets at once (a thread each: recv_into releases the GIL)."""
     view, total = memoryview(buf), len(buf)
+    cut = [total * i // len(socks) for i in range(len(socks) + 1)]
     with Clock(sender_pid) as c:
-        sock.sendall(struct.pack("<Q", total))
-        got = 0
-        while got < total:
-            n = sock.recv_into(view[got:], min(total - got, 4 * MIB))
-            if n == 0:
-                raise ConnectionError("raw sender closed the connection")
-            got += n
+        if len(socks) == 1:
+            _recv_exact(socks[0], view)
+        else:
+            with ThreadPoolExecutor(len(socks)) as pool:
+                list(pool.map(lambda i: _recv_exact(socks[i], view[cut[i] : cut[i + 1]]), range(len(socks))))
     return c.sample
 
 
@@ -176,31 +209,54 @@ class GrpcReceiver:
         pages = -(-num_tokens // hd.PAGE_SIZE)
         self.cache = hd.make_cache(self.cfg, 2 * pages, None)
         self.page_ids = random.Random(SEED).sample(range(2 * pages), pages)  # scattered, as after some churn
+        self.endpoint = endpoint
         self.channel = channel(endpoint)
         self.call = prefill_call(self.channel)
         self.transport = self.channel.unary_stream(
             "/tandem.v1.Prefill/Prefill", request_serializer=pb.PrefillRequest.SerializeToString
         )
+        self.lane_channels: dict[int, object] = {}  # lane -> its own connection, kept as a decode worker does
         self.grpc = grpc
 
-    async def receive(self, max_bytes: int, rid: str, mode: str) -> Sample:
-        req = self.pb.PrefillRequest(request_id=rid, max_message_bytes=max_bytes)
+    def _lane_channel(self, lane: int):
+        if lane not in self.lane_channels:
+            self.lane_channels[lane] = own_connection_channel(self.endpoint)
+        return self.lane_channels[lane]
+
+    def lane_call(self, lane: int):
+        return lane_pull_call(self._lane_channel(lane))
+
+    def lane_transport(self, lane: int):
+        return self._lane_channel(lane).unary_stream(
+            "/tandem.v1.Prefill/PullLane", request_serializer=self.pb.LanePullRequest.SerializeToString
+        )
+
+    async def receive(self, max_bytes: int, rid: str, mode: str, lanes: int = 1) -> Sample:
+        req = self.pb.PrefillRequest(request_id=rid, max_message_bytes=max_bytes, lanes=lanes)
         if mode == "prepare":
             async for _ in self.transport(req):
                 pass
             return Sample(0, 0, 0, 0)
+
+        async def drain(stream) -> None:
+            async for _ in stream:
+                pass
+
         with Clock(self.pid) as c:
             if mode == TRANSPORT:
-                async for _ in self.transport(req):
-                    pass
-            else:
-                consumer = hd.consumer_for(self.cfg, self.cache, self.n, self.page_ids)
-                result = None
-                async for msg in self.call(req):
-                    result = consumer.accept(msg)
-                if result is None:
-                    raise RuntimeError(f"{rid}: the stream ended without a valid end marker")
+                lane_reqs = [self.pb.LanePullRequest(request_id=rid, lane=i) for i in range(1, lanes)]
+                await asyncio.gather(
+                    drain(self.transport(req)), *[drain(self.lane_transport(r.lane)(r)) for r in lane_reqs]
+                )
+            else:  # exactly the decode worker's pull (DecodeService._pull)
+                offload = mode == DECODE
+                consumer = hd.consumer_for(self.cfg, self.cache, self.n, self.page_ids, lanes, offload)
+                await pull_handoff(self.call(req), consumer, None, rid, None, self.lane_call)
         return c.sample
+
+    async def close(self) -> None:
+        for ch in [self.channel, *self.lane_channels.values()]:
+            await ch.close()
 
 
 def _summary(samples: list[Sample], nbytes: int) -> dict[str, float]:
@@ -214,41 +270,51 @@ def _summary(samples: list[Sample], nbytes: int) -> dict[str, float]:
     }
 
 
-async def _bench_async(raw_port: int, raw_pid: int, grpc_port: int, grpc_pid: int, num_tokens: int, sizes, repeats):
+async def _bench_async(
+    raw_port: int, raw_pid: int, grpc_port: int, grpc_pid: int, num_tokens: int, sizes, lanes_list, repeats
+):
     cfg = hd.bench_config()
     total = hd.payload_bytes(cfg, num_tokens)
-    sock = socket.create_connection(("127.0.0.1", raw_port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    socks = []
+    for _ in range(max(lanes_list)):
+        sock = socket.create_connection(("127.0.0.1", raw_port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(sock)
     buf = bytearray(total)
-    raw_receive(sock, buf, raw_pid)  # warm-up
+    for lanes in lanes_list:
+        raw_receive(socks[:lanes], buf, raw_pid)  # warm-up
     rx = GrpcReceiver(f"127.0.0.1:{grpc_port}", num_tokens, grpc_pid)
     expected = hd.make_cache(cfg, -(-num_tokens // hd.PAGE_SIZE), SEED)
     out = {}
     for m in sizes:
-        await rx.receive(m, "prepare", "prepare")
-        await rx.receive(m, "warm-up", DECODE)
-        if not hd.same_contents(expected, rx.cache, num_tokens, rx.page_ids):
-            raise RuntimeError(f"{m} B messages: the received cache differs from the sender's")
-        samples: dict[str, list[Sample]] = {RAW: [], DECODE: [], TRANSPORT: []}
-        for i in range(repeats):
-            samples[RAW].append(raw_receive(sock, buf, raw_pid))
-            for mode in (DECODE, TRANSPORT):
-                samples[mode].append(await rx.receive(m, f"r{i}", mode))
-        for k, v in samples.items():
-            out[(m, k)] = _summary(v, total)
-    sock.close()
-    await rx.channel.close()
+        for lanes in lanes_list:
+            await rx.receive(m, "prepare", "prepare", lanes)
+            await rx.receive(m, "warm-up", DECODE, lanes)
+            if not hd.same_contents(expected, rx.cache, num_tokens, rx.page_ids):
+                raise RuntimeError(f"{m} B messages, {lanes} lanes: the received cache differs from the sender's")
+            samples: dict[str, list[Sample]] = {RAW: [], DECODE: [], DECODE_INLINE: [], TRANSPORT: []}
+            for i in range(repeats):
+                samples[RAW].append(raw_receive(socks[:lanes], buf, raw_pid))
+                for mode in (DECODE, DECODE_INLINE, TRANSPORT):
+                    samples[mode].append(await rx.receive(m, f"r{i}", mode, lanes))
+            for k, v in samples.items():
+                out[(m, lanes, k)] = _summary(v, total)
+    for sock in socks:
+        sock.close()
+    await rx.close()
     return out
 
 
-def bench_transfers(num_tokens: int, sizes: list[int], repeats: int) -> dict:
-    """(max message bytes, RAW | DECODE | TRANSPORT) -> throughput and CPU summary."""
+def bench_transfers(num_tokens: int, sizes: list[int], lanes_list: list[int], repeats: int) -> dict:
+    """(max message bytes, lanes, RAW | DECODE | TRANSPORT) -> throughput and CPU summary."""
     total = hd.payload_bytes(hd.bench_config(), num_tokens)
     raw_p, raw_port = _start(_raw_sender, total)
     try:
         grpc_p, grpc_port = _start(_grpc_sender, num_tokens)
         try:
-            return asyncio.run(_bench_async(raw_port, raw_p.pid, grpc_port, grpc_p.pid, num_tokens, sizes, repeats))
+            return asyncio.run(
+                _bench_async(raw_port, raw_p.pid, grpc_port, grpc_p.pid, num_tokens, sizes, lanes_list, repeats)
+            )
         finally:
             grpc_p.terminate()
             grpc_p.join(10)
@@ -333,12 +399,16 @@ def message_sizes(num_tokens: int, max_bytes: int) -> str:
     return f"{len(sizes)} msgs: " + ", ".join(f"{counts[s]} x {s / 1024:.0f} KiB" for s in top)
 
 
-def run_handoff_bench(total_mib: int = 256, repeats: int = 3, sizes: list[int] | None = None) -> dict:
+def run_handoff_bench(
+    total_mib: int = 256, repeats: int = 3, sizes: list[int] | None = None, lanes_list: list[int] | None = None
+) -> dict:
     import google.protobuf
     import grpc
 
     torch.set_num_threads(1)  # as the sender process; the receive path runs no torch kernels on the CPU
+    tune_malloc()  # as a decode worker (tandem/worker.py)
     sizes = list(sizes or (256 << 10, 1 * MIB, 4 * MIB))
+    lanes_list = list(lanes_list or (1,))
     cfg = hd.bench_config()
     n = hd.tokens_for(cfg, total_mib * MIB)
     total = hd.payload_bytes(cfg, n)
@@ -348,20 +418,25 @@ def run_handoff_bench(total_mib: int = 256, repeats: int = 3, sizes: list[int] |
         f"protobuf {google.protobuf.__version__}, load average {os.getloadavg()[0]:.1f} at start\n",
         flush=True,
     )
-    res = bench_transfers(n, sizes, repeats)
-    print("| max_message_bytes | messages | path | GB/s best / median | gRPC / raw (medians) | receiver CPU s/GB "
-          "| sender CPU s/GB | receiver page faults/MiB |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    res = bench_transfers(n, sizes, lanes_list, repeats)
+    print(
+        "| max_message_bytes | messages | lanes | path | GB/s best / median | vs one raw socket (medians) "
+        "| receiver CPU s/GB | sender CPU s/GB | receiver page faults/MiB |\n" + "|---" * 9 + "|"
+    )
     for m in sizes:
-        raw = res[(m, RAW)]
-        for k in (RAW, DECODE, TRANSPORT):
-            r = res[(m, k)]
-            ratio = "-" if k == RAW else f"{100 * r['median_gbps'] / raw['median_gbps']:.0f} %"
-            what = message_sizes(n, m) if k == RAW else ""
-            print(
-                f"| {_size(m)} | {what} | {k} | {r['best_gbps']:.2f} / {r['median_gbps']:.2f} | {ratio} "
-                f"| {r['rx_cpu_s_per_gb']:.2f} | {r['tx_cpu_s_per_gb']:.2f} | {r['rx_faults_per_mib']:.0f} |",
-                flush=True,
-            )
+        raw = res[(m, 1, RAW)]
+        for lanes in lanes_list:
+            for k in (RAW, DECODE, DECODE_INLINE, TRANSPORT):
+                r = res[(m, lanes, k)]
+                ratio = "-" if (k, lanes) == (RAW, 1) else f"{100 * r['median_gbps'] / raw['median_gbps']:.0f} %"
+                what = message_sizes(n, m) if (k, lanes) == (RAW, lanes_list[0]) else ""
+                path = k if k != RAW or lanes == 1 else f"raw TCP, {lanes} sockets"
+                print(
+                    f"| {_size(m)} | {what} | {lanes} | {path} | {r['best_gbps']:.2f} / {r['median_gbps']:.2f} "
+                    f"| {ratio} | {r['rx_cpu_s_per_gb']:.2f} | {r['tx_cpu_s_per_gb']:.2f} "
+                    f"| {r['rx_faults_per_mib']:.0f} |",
+                    flush=True,
+                )
     bd_tokens = min(n, 4 * hd.PREFILL_CHUNK)
     print(f"\nEach step alone, CPU s/GB of payload ({bd_tokens}-token handoff, one thread, no network):\n")
     bd = {m: breakdown(bd_tokens, m) for m in sizes}
@@ -378,8 +453,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--total-mib", type=int, default=256, help="handoff size (rounded to whole prefill chunks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-message-kib", type=int, nargs="+", default=None, help="producer max_message_bytes (KiB)")
+    p.add_argument("--lanes", type=int, nargs="+", default=[1], help="streams per handoff (1 must come first)")
     a = p.parse_args(argv)
-    run_handoff_bench(a.total_mib, a.repeats, [s << 10 for s in a.max_message_kib] if a.max_message_kib else None)
+    if a.lanes[0] != 1:
+        p.error("--lanes must start with 1: the ratios are against one raw socket")
+    sizes = [s << 10 for s in a.max_message_kib] if a.max_message_kib else None
+    run_handoff_bench(a.total_mib, a.repeats, sizes, a.lanes)
 
 
 if __name__ == "__main__":

@@ -124,13 +124,40 @@ def produce(
     return msgs
 
 
+def deal(msgs: list[pb.HandoffChunk | EncodedChunk], lanes: int) -> list[list[pb.HandoffChunk | EncodedChunk]]:
+    """[Prefill stream, lane 1, ...]: ``produce``'s stream dealt as the prefill service deals it over lanes
+    (engine/kv_transfer/lanes.py: kv / state message k to lane k % lanes, each lane with its own end)."""
+    if lanes <= 1:
+        return [msgs]
+    header = pb.HandoffChunk()
+    header.CopyFrom(msgs[0])
+    header.header.lanes = lanes
+    streams: list[list] = [[header]] + [[] for _ in range(lanes - 1)]
+    data = [m for m in msgs[1:-1] if isinstance(m, EncodedChunk)]
+    for k, m in enumerate(data):
+        streams[k % lanes].append(m)
+    streams[0] += [m for m in msgs[1:-1] if not isinstance(m, EncodedChunk)]
+    for stream in streams:
+        encoded = [m for m in stream if isinstance(m, EncodedChunk)]
+        end = pb.HandoffEnd(
+            num_messages=len(stream),
+            payload_bytes=sum(m.payload_bytes for m in encoded),
+            num_kv_parts=sum(m.kind == "kv" for m in encoded),
+            num_state_tensors=sum(m.kind == "state" for m in encoded),
+        )
+        stream.append(pb.HandoffChunk(end=end))
+    return streams
+
+
 def wire_bytes(msg: pb.HandoffChunk | EncodedChunk) -> bytes:
     """What the prefill stream sends for msg."""
     return msg.wire if isinstance(msg, EncodedChunk) else msg.SerializeToString()
 
 
-def consumer_for(cfg: ModelConfig, cache: CacheTensors, num_tokens: int, page_ids: list[int]) -> HandoffConsumer:
-    return HandoffConsumer(cfg, cache, FINGERPRINT, num_tokens, page_ids, [0])
+def consumer_for(
+    cfg: ModelConfig, cache: CacheTensors, num_tokens: int, page_ids: list[int], lanes: int = 1, offload: bool = False
+) -> HandoffConsumer:
+    return HandoffConsumer(cfg, cache, FINGERPRINT, num_tokens, page_ids, [0], max_lanes=lanes, offload_writes=offload)
 
 
 def same_contents(a: CacheTensors, b: CacheTensors, num_tokens: int, page_ids_b: list[int]) -> bool:

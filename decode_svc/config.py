@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.kv_transfer.lanes import MAX_LANES
 from kvstore.store import PrefixStoreConfig
 
 
@@ -20,6 +21,14 @@ class DecodeConfig:
     """The shared prefix tier + index; used when engine.enable_prefix_caching is set."""
     reserve_timeout_s: float = 30.0
     """How long a request waits for free pages/slots before RESOURCE_EXHAUSTED."""
+    handoff_lanes: int = 1
+    """Data streams to pull each handoff over, each on its own connection (engine/kv_transfer/lanes.py);
+    the prefill worker may grant fewer."""
+    offload_handoff_writes: bool = True
+    """Checksums and copies of received pieces on worker threads, off the receiving event loop
+    (engine/kv_transfer/writes.py)."""
 
     def __post_init__(self) -> None:
         self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching)
+        if not 1 <= self.handoff_lanes <= MAX_LANES:
+            raise ValueError(f"handoff_lanes={self.handoff_lanes} must be in [1, {MAX_LANES}]")

@@ -1,15 +1,18 @@
-"""Pulling one request's handoff: the prefill worker's stream, and the stage streams its header announces.
+"""Pulling one request's handoff: the prefill worker's stream, and the stage streams and lanes its header
+announces.
 
 A pipelined prefill worker (pp > 1) streams stage 0's layers itself and names an endpoint per other stage
-(engine/parallel/stage_stream.py); each is pulled concurrently into the same consumer, which returns the
-result once every stream has ended and everything checked out. A stage stream that fails cancels the
-prefill stream, so the caller sees that stage's error within the time it takes to notice it.
+(engine/parallel/stage_stream.py); a handoff pulled over lanes (engine/kv_transfer/lanes.py) has its
+prefill stream's share dealt over lanes 1.. as well. Each is pulled concurrently into the same consumer,
+which returns the result once every stream has ended and everything checked out. A side stream that fails
+cancels the prefill stream, so the caller sees that stream's error within the time it takes to notice it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 
 import grpc
 
@@ -18,36 +21,42 @@ from engine.kv_transfer.consumer import HandoffConsumer, HandoffResult
 from tandem.rpc import prefill_pb2 as pb
 
 StageCall = Callable[[str], grpc.aio.UnaryStreamMultiCallable]
+LaneCall = Callable[[int], grpc.aio.UnaryStreamMultiCallable]
+"""lane -> PullLane on a connection of that lane's own, to the prefill worker"""
 
 
 class StageStreamFailed(Exception):
-    """A prefill stage's stream broke (the stage's process died, or it aborted the request)."""
+    """A prefill stage's stream or a lane broke (the process died, or it aborted the request)."""
 
-    def __init__(self, stage: int, endpoint: str, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"prefill stage {stage} at {endpoint}: {error.code().name}: {error.details()}")
+    def __init__(self, what: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{what}: {error.code().name}: {error.details()}")
         self.code = error.code()
 
 
 async def pull_handoff(
-    call: grpc.aio.UnaryStreamCall, consumer: HandoffConsumer, stage_call: StageCall, rid: str, timeout: float | None
+    call: grpc.aio.UnaryStreamCall,
+    consumer: HandoffConsumer,
+    stage_call: StageCall,
+    rid: str,
+    timeout: float | None,
+    lane_call: LaneCall | None = None,
 ) -> HandoffResult:
     tasks: list[asyncio.Task] = []
     failed: list[BaseException] = []
 
-    async def pull_stage(s: pb.StageStream) -> HandoffResult | None:
-        scall = stage_call(s.endpoint)(pb.StagePullRequest(request_id=rid, stage=s.stage), timeout=timeout)
+    async def pull_side(scall: grpc.aio.UnaryStreamCall, what: str, accept, ended) -> HandoffResult | None:
         try:
             result = None
             async for msg in scall:
-                result = consumer.accept_stage(s.stage, msg)
-            if not consumer.stream_ended(s.stage):
-                raise HandoffError(f"stage {s.stage}'s stream from {s.endpoint} ended without an end marker")
+                result = accept(msg)
+            if not ended():
+                raise HandoffError(f"{what} ended without an end marker")
             return result
         except asyncio.CancelledError:
             scall.cancel()
             raise
         except grpc.aio.AioRpcError as e:
-            failed.append(StageStreamFailed(s.stage, s.endpoint, e))
+            failed.append(StageStreamFailed(what, e))
             call.cancel()
             raise failed[-1] from None
         except BaseException as e:
@@ -55,12 +64,36 @@ async def pull_handoff(
             call.cancel()  # the prefill stream waits for nothing now
             raise
 
+    def side_streams() -> list[asyncio.Task]:
+        out = []
+        for s in consumer.stage_streams:
+            scall = stage_call(s.endpoint)(pb.StagePullRequest(request_id=rid, stage=s.stage), timeout=timeout)
+            what = f"prefill stage {s.stage} at {s.endpoint}"
+            out.append(
+                pull_side(scall, what, partial(consumer.accept_stage, s.stage), partial(consumer.stream_ended, s.stage))
+            )
+        for lane in range(1, consumer.lanes):
+            if lane_call is None:
+                raise HandoffError(f"the producer dealt the handoff over {consumer.lanes} lanes; none were asked for")
+            lcall = lane_call(lane)(pb.LanePullRequest(request_id=rid, lane=lane), timeout=timeout)
+            out.append(
+                pull_side(
+                    lcall,
+                    f"handoff lane {lane}",
+                    partial(consumer.accept_lane, lane),
+                    partial(consumer.lane_ended, lane),
+                )
+            )
+        return [asyncio.create_task(c) for c in out]
+
     result = None
+    started = False
     try:
         async for msg in call:
             r = consumer.accept(msg)
-            if consumer.stage_streams and not tasks:
-                tasks = [asyncio.create_task(pull_stage(s)) for s in consumer.stage_streams]
+            if not started:  # the header was the first message: every side stream is known now
+                started = True
+                tasks = side_streams()
             result = r or result
         if not consumer.stream_ended(0):
             raise HandoffError("prefill stream ended without an end marker")
@@ -69,7 +102,7 @@ async def pull_handoff(
         assert result is not None  # every stream ended and was checked: the consumer returned its result
         return result
     except (asyncio.CancelledError, grpc.aio.AioRpcError):
-        if failed:  # a stage stream's error cancelled the prefill stream: report the cause
+        if failed:  # a side stream's error cancelled the prefill stream: report the cause
             raise failed[0] from None
         raise
     finally:
@@ -77,3 +110,4 @@ async def pull_handoff(
             if t.done() and not t.cancelled():
                 t.exception()  # retrieved here (it is reported above), so asyncio does not log it again
             t.cancel()
+        consumer.wait_writes()  # no copy may still land in the pages when the caller uses or frees them

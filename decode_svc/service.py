@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from functools import partial
 
 import grpc
 import torch
@@ -23,11 +24,11 @@ from engine.async_engine import AsyncEngine
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError
 from engine.kv_transfer.consumer import HandoffConsumer, fingerprint_to_pb
-from engine.kv_transfer.wire import prefill_call, stage_pull_call
+from engine.kv_transfer.wire import lane_pull_call, prefill_call, stage_pull_call
 from engine.llm_engine import ImportReservation, RequestOutput
 from kvstore.store import PrefixStore
 from tandem.convert import logprobs_to_pb, params_from_pb
-from tandem.grpc_util import channel
+from tandem.grpc_util import channel, own_connection_channel
 from tandem.metrics import WorkerMetrics
 from tandem.rpc import common_pb2 as cpb
 from tandem.rpc import decode_pb2 as pb
@@ -60,6 +61,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         self.metrics = metrics
         self.model_name = model_name
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._lane_channels: dict[tuple[str, int], grpc.aio.Channel] = {}
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
         spec = self.config.speculative
@@ -88,6 +90,13 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     def _stage_call(self, endpoint: str) -> grpc.aio.UnaryStreamMultiCallable:
         return stage_pull_call(self._channel(endpoint))
+
+    def _lane_call(self, endpoint: str, lane: int) -> grpc.aio.UnaryStreamMultiCallable:
+        """PullLane on lane ``lane``'s own connection: one connection is read by one transport thread."""
+        key = (endpoint, lane)
+        if key not in self._lane_channels:
+            self._lane_channels[key] = own_connection_channel(endpoint)
+        return lane_pull_call(self._lane_channels[key])
 
     async def _reserve(self, rid: str, n: int, context: grpc.aio.ServicerContext) -> ImportReservation:
         deadline = time.monotonic() + self.config.reserve_timeout_s
@@ -180,6 +189,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         prefill_req.consumer_fingerprint.CopyFrom(fingerprint_to_pb(self.fingerprint))
         prefill_req.ClearField("aux_layer_ids")
         prefill_req.aux_layer_ids.extend(self._drafter_taps())  # so the first decode step already drafts
+        prefill_req.lanes = self.config.handoff_lanes
         cache, page_ids, slot_ids = self.engine.import_target(res)  # a parallel engine stages and reslices
         consumer = HandoffConsumer(
             self.engine.model_config,
@@ -188,13 +198,16 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             len(prefill_req.prompt_token_ids),
             page_ids,
             slot_ids,
+            max_lanes=self.config.handoff_lanes,
+            offload_writes=self.config.offload_handoff_writes,
         )
         remaining = context.time_remaining()
         self.metrics.live_transfers.inc()
         t0 = time.monotonic()
         call = self._prefill_call(request.prefill_endpoint)(prefill_req, timeout=remaining)
         try:
-            result = await pull_handoff(call, consumer, self._stage_call, request.request_id, remaining)
+            lanes = partial(self._lane_call, request.prefill_endpoint)
+            result = await pull_handoff(call, consumer, self._stage_call, request.request_id, remaining, lanes)
             self.metrics.transfer_bytes.inc(result.payload_bytes)
             self.metrics.transfer_seconds.observe(time.monotonic() - t0)
             return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, SpeculativeConfig
+from engine.kv_transfer.lanes import MAX_LANES
 from kvstore.store import PrefixStoreConfig
 
 
@@ -23,6 +24,10 @@ class PrefillConfig:
     prefix_store: PrefixStoreConfig | None = None
     """The shared prefix tier + index; used when engine.enable_prefix_caching is set."""
     max_message_bytes: int = 1 << 20
+    max_handoff_lanes: int = 8
+    """Most data streams one handoff may be pulled over (PrefillRequest.lanes asks; the header grants)."""
+    lane_ttl_s: float = 60.0
+    """How long a finished handoff's lanes wait to be pulled before their messages are dropped."""
 
     def __post_init__(self) -> None:
         if self.speculative.enabled:
@@ -35,3 +40,5 @@ class PrefillConfig:
         self.engine.parallel.check_service("prefill", self.engine.enable_prefix_caching)
         if not 0 < self.max_message_bytes <= 16 << 20:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be in (0, 16 MiB]")
+        if not 1 <= self.max_handoff_lanes <= MAX_LANES:
+            raise ValueError(f"max_handoff_lanes={self.max_handoff_lanes} must be in [1, {MAX_LANES}]")

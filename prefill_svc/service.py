@@ -17,6 +17,7 @@ from engine.block_hash import block_hashes, namespace
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import tensor_pieces
 from engine.kv_transfer.consumer import fingerprint_from_pb, fingerprint_to_pb
+from engine.kv_transfer.lanes import HandoffLanes, LaneRefused
 from engine.kv_transfer.producer import HandoffProducer
 from engine.kv_transfer.wire import EncodedChunk, encode_chunk
 from engine.llm_engine import RequestOutput
@@ -67,6 +68,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self._stage_streams: list[pb.StageStream] | None = None
         self._stage_lock = asyncio.Lock()
         self._outstanding_tokens = 0
+        self.lanes = HandoffLanes(config.max_handoff_lanes, config.lane_ttl_s)
+        metrics.lanes_held.set_function(lambda: self.lanes.live)
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
         return cpb.WorkerInfo(
@@ -116,7 +119,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         max_bytes = min(request.max_message_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
 
         q = self.aengine.open_stream(rid)
-        self.producer.register(rid, lambda chunk: self.aengine.deliver(rid, chunk), max_bytes)
+        lanes = self.lanes.grant(request.lanes)
+        deliver = self.lanes.open(rid, lanes, lambda chunk: self.aengine.deliver(rid, chunk))
+        self.producer.register(rid, deliver, max_bytes)
         self._outstanding_tokens += len(prompt)
         self.metrics.live_transfers.inc()
         t0 = time.monotonic()
@@ -132,6 +137,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     attention_layers=list(cfg.attention_layers),
                     kda_layers=list(cfg.kda_layers),
                     stage_streams=await self._stages(),
+                    lanes=lanes,
                 )
             )
             num_messages += 1
@@ -150,7 +156,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 if isinstance(item, RequestOutput):
                     finished = True
                     if item.finish_reason == "abort" or not item.output_token_ids:
+                        self.lanes.fail(rid, "its prefill was aborted")
                         await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
+                    self.lanes.end(rid)  # every kv / state message was dealt before this output
                     self.metrics.ttft.observe(time.monotonic() - t0)
                     ns = namespace(self.namespace_digest, request.cache_salt)
                     hashes = block_hashes(ns, prompt, self.engine.config.page_size)
@@ -190,6 +198,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise
         finally:
             self.producer.unregister(rid)
+            if not finished:
+                self.lanes.fail(rid, "the prefill stream ended before the prefill did (cancelled or failed)")
             if taps_added:
                 await asyncio.shield(self.aengine.call(lambda e: e.add_aux_layers(aux_ids, remove=True)))
             self._outstanding_tokens -= len(prompt)
@@ -198,3 +208,21 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                 await asyncio.shield(self.aengine.abort(rid))
             else:
                 self.aengine.close_stream(rid)
+
+    async def PullLane(self, request: pb.LanePullRequest, context: grpc.aio.ServicerContext):
+        """One more data stream of a handoff (engine/kv_transfer/lanes.py)."""
+        payload, outcome = 0, "cancelled"
+        try:
+            async for item in self.lanes.pull(request.request_id, request.lane):
+                if isinstance(item, EncodedChunk):
+                    payload += item.payload_bytes
+                    yield item.wire
+                else:
+                    outcome = "ok"
+                    yield item
+        except LaneRefused as e:
+            outcome = "refused"
+            await context.abort(e.code, str(e))
+        finally:
+            self.metrics.transfer_bytes.inc(payload)
+            self.metrics.lane_streams.labels(outcome).inc()

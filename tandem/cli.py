@@ -139,6 +139,12 @@ def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--tier-disk-bytes", type=int, default=0)
     p.add_argument("--tier-capacity-bytes", type=int, default=None)
     p.add_argument("--instance-id", default=None, help="name in the prefix index (default: host:port)")
+    p.add_argument(
+        "--handoff-lanes",
+        type=int,
+        default=None,
+        help="decode: streams to pull each handoff over (default 1); prefill: the most it grants (default 8)",
+    )
 
 
 def _prefix_store(a: argparse.Namespace):
@@ -160,7 +166,14 @@ def cmd_prefill(a: argparse.Namespace) -> int:
 
     # the config refuses speculative settings before anything is loaded
     config = PrefillConfig(
-        engine_config_from_args(a), a.host, a.port, a.metrics_port, _speculative(a), a.drain_seconds, _prefix_store(a)
+        engine_config_from_args(a),
+        a.host,
+        a.port,
+        a.metrics_port,
+        _speculative(a),
+        a.drain_seconds,
+        _prefix_store(a),
+        max_handoff_lanes=a.handoff_lanes or PrefillConfig.max_handoff_lanes,
     )
     run(config)
     return 0
@@ -182,6 +195,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             spec,
             a.drain_seconds,
             _prefix_store(a),
+            handoff_lanes=a.handoff_lanes or DecodeConfig.handoff_lanes,
         )
     )
     return 0

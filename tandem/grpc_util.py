@@ -51,6 +51,12 @@ def channel(endpoint: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS)
 
 
+def own_connection_channel(endpoint: str) -> grpc.aio.Channel:
+    """A channel that does not share its connection with other channels to the same endpoint (gRPC
+    pools connections process-wide by default)."""
+    return grpc.aio.insecure_channel(endpoint, options=[*KEEPALIVE_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
+
+
 async def serve_until_signal(
     server: grpc.aio.Server,
     health_servicer: health.HealthServicer,

@@ -24,6 +24,10 @@ class WorkerMetrics:
             f"{p}_transfer_seconds", "Handoff duration, first to last message", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.live_transfers = Gauge(f"{p}_live_transfers", "Handoffs in progress", registry=r)
+        self.lane_streams = Counter(
+            f"{p}_lane_streams", "Handoff lanes served (PullLane) by outcome", ["outcome"], registry=r
+        )
+        self.lanes_held = Gauge(f"{p}_handoffs_with_lanes", "Handoffs whose lanes are held for pulling", registry=r)
         self.pages_in_use = Gauge(f"{p}_pages_in_use", "KV pages allocated", registry=r)
         self.slots_in_use = Gauge(f"{p}_slots_in_use", "KDA state slots allocated", registry=r)
         self.outstanding = Gauge(f"{p}_outstanding_requests", "Requests held by the engine", registry=r)

@@ -2,8 +2,10 @@
 
 Decode batches are filled without prefilling every request: one request is prefilled to the context
 length, then its pages and KDA state are copied into B-1 reservations taken through the P/D consumer API
-(``reserve_import`` -> copy -> ``insert_prefilled``), so all B requests hold the same real context. A step's
-cost does not depend on the values; the copy keeps routing and attention inputs realistic.
+(``reserve_import`` -> copy -> ``insert_prefilled``), so all B requests hold the same real context. Each
+copy continues from a different next token: B identical rows would route every row to the same top-k
+experts (8 of 256 read per MoE layer at B = 64 instead of ~170), which made earlier decode numbers cheaper
+than a real batch; with distinct tokens the rows route, and then continue, apart.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def fill_decode_batch(eng: LLMEngine, ctx: int, batch: int, seed: int = 7) -> li
             kv[dst] = kv[src_pages]
         if res.slot_ids:
             eng.cache.copy_slot(src.slot_ids[0], res.slot_ids[0])
-        eng.insert_prefilled(res, ids, params, src.output_token_ids[0], None)
+        first = (src.output_token_ids[0] + 7919 * (j + 1)) % eng.model_config.vocab_size  # a row of its own
+        eng.insert_prefilled(res, ids, params, first, None)
         rids.append(res.request_id)
     return rids
 

@@ -14,6 +14,7 @@ from engine.cache.tensors import CacheTensors
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError, TensorAssembler
 from engine.kv_transfer.wire import ReceivedChunk
+from engine.kv_transfer.writes import PayloadWrites
 from engine.model_config import ModelConfig
 from engine.request import TokenLogprobs
 from tandem.rpc import common_pb2 as cpb
@@ -64,7 +65,7 @@ def fingerprint_from_pb(f: pb.Fingerprint) -> Fingerprint:  # type: ignore[name-
 class _Tally:
     """What one stream delivered, checked against its end marker."""
 
-    layers: frozenset[int] | None = None  # a stage stream's layers (None: the main stream)
+    layers: frozenset[int] | None = None  # a stage stream's layers (None: the main stream or a lane)
     messages: int = 0
     payload: int = 0
     end: pb.HandoffEnd | None = None
@@ -79,8 +80,13 @@ class HandoffConsumer:
         num_prompt_tokens: int,
         page_ids: list[int],
         slot_ids: list[int],
+        max_lanes: int = 1,
+        offload_writes: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.max_lanes = max_lanes
+        self._writes = PayloadWrites() if offload_writes else None
+        """Checksums and copies into the pages on worker threads (engine/kv_transfer/writes.py)."""
         self.cache = cache
         self.fingerprint = fingerprint
         self.n = num_prompt_tokens
@@ -99,6 +105,8 @@ class HandoffConsumer:
         self._main = _Tally()
         self._stages: dict[int, _Tally] = {}
         """A pipelined producer's other stages (announced in the header): stage -> its stream's tally."""
+        self._lanes: dict[int, _Tally] = {}
+        """Lanes 1.. of the prefill stream's share (announced in the header): lane -> its stream's tally."""
         self._cur = self._main  # the stream whose message is being taken
         self.stage_streams: list[pb.StageStream] = []
         self.num_kv_parts = 0
@@ -109,6 +117,7 @@ class HandoffConsumer:
         or by wire.parse_chunk (payload apart); None where gRPC could not deserialize it."""
         if msg is None:
             raise HandoffError("a handoff message could not be decoded")
+        self._raise_write_error()
         data = None
         if isinstance(msg, ReceivedChunk):
             msg, data = msg.chunk, msg.data
@@ -145,27 +154,57 @@ class HandoffConsumer:
         tally = self._stages.get(stage)
         if tally is None:
             raise HandoffError(f"stage {stage} was not announced by the producer's header")
+        return self._accept_side(tally, f"stage {stage}'s stream", msg)
+
+    def accept_lane(self, lane: int, msg: pb.HandoffChunk | ReceivedChunk | None) -> HandoffResult | None:
+        """Take one message of lane ``lane`` (PullLane: kv / state of the prefill stream's layers, then its
+        end marker); returns the result when this completes the whole handoff."""
+        tally = self._lanes.get(lane)
+        if tally is None:
+            raise HandoffError(f"lane {lane} was not announced by the producer's header")
+        return self._accept_side(tally, f"lane {lane}", msg)
+
+    def _accept_side(
+        self, tally: _Tally, stream: str, msg: pb.HandoffChunk | ReceivedChunk | None
+    ) -> HandoffResult | None:
         if msg is None:
-            raise HandoffError(f"a message of stage {stage}'s stream could not be decoded")
+            raise HandoffError(f"a message of {stream} could not be decoded")
+        self._raise_write_error()
         data = None
         if isinstance(msg, ReceivedChunk):
             msg, data = msg.chunk, msg.data
         which = msg.WhichOneof("payload")
         self._cur = tally
         if which == "end":
-            return self._end(tally, msg.end, f"stage {stage}'s stream")
+            return self._end(tally, msg.end, stream)
         if tally.end is not None:
-            raise HandoffError(f"stage {stage}'s stream sent {which!r} after its end marker")
+            raise HandoffError(f"{stream} sent {which!r} after its end marker")
         part = msg.kv if which == "kv" else msg.state if which == "state" else None
-        if part is None or part.layer not in tally.layers:
+        if part is None or not self._side_may_carry(tally, part.layer):
             what = f"layer {part.layer}" if part is not None else repr(which)
-            raise HandoffError(f"stage {stage}'s stream sent {what}, outside its layers {sorted(tally.layers)}")
+            share = f"its layers {sorted(tally.layers)}" if tally.layers is not None else "the prefill stream's share"
+            raise HandoffError(f"{stream} sent {what}, outside {share}")
         tally.messages += 1
         if which == "kv":
             self._on_kv(msg.kv, data)
         else:
             self._on_state(msg.state, data)
         return None
+
+    def _side_may_carry(self, tally: _Tally, layer: int) -> bool:
+        if tally.layers is not None:  # a stage stream: its own layers
+            return layer in tally.layers
+        return not any(layer in t.layers for t in self._stages.values())  # a lane: the prefill stream's share
+
+    def _raise_write_error(self) -> None:
+        if self._writes is not None and self._writes.error is not None:
+            err = self._writes.error
+            raise err if isinstance(err, HandoffError) else HandoffError(f"writing the handoff failed: {err!r}")
+
+    def wait_writes(self) -> None:
+        """Until no payload copy is pending: before the reservation is used, or released after a failure."""
+        if self._writes is not None:
+            self._writes.wait()
 
     def _end(self, tally: _Tally, end: pb.HandoffEnd, stream: str) -> HandoffResult | None:
         if tally.end is not None:
@@ -176,7 +215,7 @@ class HandoffConsumer:
                 f"received {tally.messages} / {tally.payload}"
             )
         tally.end = end
-        if self._main.end is None or any(t.end is None for t in self._stages.values()):
+        if self._main.end is None or any(t.end is None for t in self._side_tallies()):
             return None  # another stream still runs
         return self._finish()
 
@@ -185,9 +224,21 @@ class HandoffConsumer:
         tally = self._main if stage == 0 else self._stages.get(stage)
         return tally is not None and tally.end is not None
 
+    def lane_ended(self, lane: int) -> bool:
+        tally = self._main if lane == 0 else self._lanes.get(lane)
+        return tally is not None and tally.end is not None
+
+    @property
+    def lanes(self) -> int:
+        """Data streams of the prefill stream's share, itself included (from the header)."""
+        return len(self._lanes) + 1
+
+    def _side_tallies(self) -> list[_Tally]:
+        return [*self._stages.values(), *self._lanes.values()]
+
     @property
     def payload_bytes(self) -> int:
-        return self._main.payload + sum(t.payload for t in self._stages.values())
+        return self._main.payload + sum(t.payload for t in self._side_tallies())
 
     def _on_header(self, h: pb.HandoffHeader) -> None:
         theirs = fingerprint_from_pb(h.producer_fingerprint)
@@ -213,6 +264,9 @@ class HandoffConsumer:
             seen |= layers
             self._stages[st.stage] = _Tally(layers)
         self.stage_streams = list(h.stage_streams)
+        if h.lanes > self.max_lanes:
+            raise HandoffError(f"header announces {h.lanes} lanes; this consumer asked for at most {self.max_lanes}")
+        self._lanes = {i: _Tally() for i in range(1, h.lanes)}
         self._header = True
 
     def _on_kv(self, part: pb.KVPagePart, data: memoryview | None) -> None:
@@ -221,7 +275,7 @@ class HandoffConsumer:
         layer, p0, n = part.layer, part.page_index, part.num_tokens
         key = ("kv", layer, p0, n)
         asm = self._parts.get(key) or self._begin_kv(layer, p0, n)
-        self._cur.payload += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data, self._writes)
         if asm.complete:
             if asm.buf is not None:  # assembled on the host: copy into the pages now
                 rows, ps = asm.tensor(), self.page_size
@@ -279,7 +333,7 @@ class HandoffConsumer:
             asm = self._parts[key] = TensorAssembler(
                 what, pool.dtype, tuple(pool.shape[1:]), None if flat is None else [flat]
             )
-        self._cur.payload += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data, self._writes)
         if asm.complete:
             if asm.buf is not None:
                 pool[self.slot_ids[0]] = asm.tensor()
@@ -308,6 +362,8 @@ class HandoffConsumer:
         self._done.add(key)
 
     def _finish(self) -> HandoffResult:
+        self.wait_writes()  # every piece is booked; wait for the last copies and their checksums
+        self._raise_write_error()
         missing = [
             f"kv layer {layer} page {p}"
             for layer in self.cfg.attention_layers

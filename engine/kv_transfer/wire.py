@@ -31,6 +31,7 @@ _TENSOR_FIELD = {
 _DATA_FIELD = pb.TensorBytes.DATA_FIELD_NUMBER
 _PREFILL = pb.DESCRIPTOR.services_by_name["Prefill"]
 PREFILL_METHOD = f"/{_PREFILL.full_name}/{_PREFILL.methods_by_name['Prefill'].name}"
+LANE_PULL_METHOD = f"/{_PREFILL.full_name}/PullLane"
 _STAGE = pb.DESCRIPTOR.services_by_name["PrefillStage"]
 STAGE_PULL_METHOD = f"/{_STAGE.full_name}/Pull"
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
@@ -150,8 +151,8 @@ def serialize_chunk(msg: pb.HandoffChunk | bytes) -> bytes:
 
 
 def add_prefill_servicer(servicer: object, server: grpc.aio.Server) -> None:
-    """prefill_pb2_grpc.add_PrefillServicer_to_server, except that the Prefill stream also sends bytes
-    (EncodedChunk.wire) as they are."""
+    """prefill_pb2_grpc.add_PrefillServicer_to_server, except that the Prefill and PullLane streams also
+    send bytes (EncodedChunk.wire) as they are."""
     handlers = {
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
@@ -160,6 +161,9 @@ def add_prefill_servicer(servicer: object, server: grpc.aio.Server) -> None:
         ),
         "Prefill": grpc.unary_stream_rpc_method_handler(
             servicer.Prefill, request_deserializer=pb.PrefillRequest.FromString, response_serializer=serialize_chunk
+        ),
+        "PullLane": grpc.unary_stream_rpc_method_handler(
+            servicer.PullLane, request_deserializer=pb.LanePullRequest.FromString, response_serializer=serialize_chunk
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_PREFILL.full_name, handlers),))
@@ -206,6 +210,13 @@ def stage_pull_call(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCalla
     """PrefillStage/Pull (one pipeline stage's share of a handoff), parsed like the Prefill stream."""
     return channel.unary_stream(
         STAGE_PULL_METHOD, request_serializer=pb.StagePullRequest.SerializeToString, response_deserializer=parse_chunk
+    )
+
+
+def lane_pull_call(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamMultiCallable:
+    """Prefill/PullLane (one more data stream of a handoff), parsed like the Prefill stream."""
+    return channel.unary_stream(
+        LANE_PULL_METHOD, request_serializer=pb.LanePullRequest.SerializeToString, response_deserializer=parse_chunk
     )
 
 

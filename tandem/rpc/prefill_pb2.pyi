@@ -17,6 +17,14 @@ STATE_KIND_UNSPECIFIED: StateKind
 RECURRENT: StateKind
 CONV: StateKind
 
+class LanePullRequest(_message.Message):
+    __slots__ = ("request_id", "lane")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lane: int
+    def __init__(self, request_id: _Optional[str] = ..., lane: _Optional[int] = ...) -> None: ...
+
 class StagePullRequest(_message.Message):
     __slots__ = ("request_id", "stage")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -36,7 +44,7 @@ class StageStream(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt", "aux_layer_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt", "aux_layer_ids", "lanes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +53,7 @@ class PrefillRequest(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -53,7 +62,8 @@ class PrefillRequest(_message.Message):
     max_message_bytes: int
     cache_salt: str
     aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lanes: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("header", "kv", "state", "block_hashes", "first_token", "end", "aux_hidden")
@@ -82,20 +92,22 @@ class AuxHidden(_message.Message):
     def __init__(self, layer_ids: _Optional[_Iterable[int]] = ..., tensor: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers", "stage_streams")
+    __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers", "stage_streams", "lanes")
     PRODUCER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KDA_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STAGE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     producer_fingerprint: _common_pb2.Fingerprint
     num_prompt_tokens: int
     page_size: int
     attention_layers: _containers.RepeatedScalarFieldContainer[int]
     kda_layers: _containers.RepeatedScalarFieldContainer[int]
     stage_streams: _containers.RepeatedCompositeFieldContainer[StageStream]
-    def __init__(self, producer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., attention_layers: _Optional[_Iterable[int]] = ..., kda_layers: _Optional[_Iterable[int]] = ..., stage_streams: _Optional[_Iterable[_Union[StageStream, _Mapping]]] = ...) -> None: ...
+    lanes: int
+    def __init__(self, producer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., attention_layers: _Optional[_Iterable[int]] = ..., kda_layers: _Optional[_Iterable[int]] = ..., stage_streams: _Optional[_Iterable[_Union[StageStream, _Mapping]]] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class TensorBytes(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "total_bytes", "data", "crc32")

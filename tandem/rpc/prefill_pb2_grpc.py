@@ -45,6 +45,11 @@ class PrefillStub(object):
                 request_serializer=prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=prefill__pb2.HandoffChunk.FromString,
                 _registered_method=True)
+        self.PullLane = channel.unary_stream(
+                '/tandem.v1.Prefill/PullLane',
+                request_serializer=prefill__pb2.LanePullRequest.SerializeToString,
+                response_deserializer=prefill__pb2.HandoffChunk.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer(object):
@@ -63,6 +68,15 @@ class PrefillServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullLane(self, request, context):
+        """One more data stream of a handoff whose header announced `lanes` > 1: lane i carries every
+        lanes-th kv / state message of the Prefill stream's share, then `end` (counting its own messages).
+        The consumer opens each on its own connection, so the transport's work spreads over cores.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +88,11 @@ def add_PrefillServicer_to_server(servicer, server):
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=prefill__pb2.HandoffChunk.SerializeToString,
+            ),
+            'PullLane': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullLane,
+                    request_deserializer=prefill__pb2.LanePullRequest.FromString,
                     response_serializer=prefill__pb2.HandoffChunk.SerializeToString,
             ),
     }
@@ -130,6 +149,33 @@ class Prefill(object):
             target,
             '/tandem.v1.Prefill/Prefill',
             prefill__pb2.PrefillRequest.SerializeToString,
+            prefill__pb2.HandoffChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullLane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Prefill/PullLane',
+            prefill__pb2.LanePullRequest.SerializeToString,
             prefill__pb2.HandoffChunk.FromString,
             options,
             channel_credentials,

@@ -23,11 +23,11 @@ def _parse(text: str) -> dict[str, float]:
 
 
 def in_use(cluster: LocalCluster) -> dict[str, float]:
-    """Pages and slots held by every worker, plus live transfers."""
+    """Pages and slots held by every worker, plus live transfers and handoff lanes held."""
     out = {}
     for w in cluster.workers:
         m = scrape(w.metrics_port)
-        for k in ("pages_in_use", "slots_in_use", "live_transfers", "outstanding_requests"):
+        for k in ("pages_in_use", "slots_in_use", "live_transfers", "outstanding_requests", "handoffs_with_lanes"):
             out[f"{w.role}:{w.port}:{k}"] = m[f"tandem_{w.role}_{k}"]
     return out
 

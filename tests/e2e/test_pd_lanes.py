@@ -1,0 +1,142 @@
+"""Handoffs pulled over lanes (engine/kv_transfer/lanes.py) between real processes: a decode worker that
+pulls each handoff over 3 streams is token-exact, a cancelled request leaves nothing held on either side
+(pages, slots, lanes), and a prefill worker killed mid-stream is an error within 2 s."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tandem.cluster import LocalCluster, WorkerSpec
+from tandem.rpc import decode_pb2_grpc
+from tests.conftest import make_engine, random_prompts
+from tests.e2e.helpers import scrape, wait_all_free
+from tests.e2e.test_pd_faults import _decode_request
+
+LANES = 3
+MAX_TOKENS = 16
+
+
+def _lanes_served(cluster: LocalCluster) -> float:
+    return scrape(cluster.worker("prefill").metrics_port).get('tandem_prefill_lane_streams_total{outcome="ok"}', 0.0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    c = LocalCluster(
+        tiny_models["kimi_linear"],
+        [WorkerSpec("prefill"), WorkerSpec("decode", ["--handoff-lanes", str(LANES)])],
+        log_dir=tmp_path_factory.mktemp("logs-lanes"),
+    )
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_concurrent_greedy_over_lanes_is_token_exact(cluster, tiny_models):
+    prompts = random_prompts(16, [1, 5, 16, 17, 33, 64, 100, 150], seed=31)
+    before = _lanes_served(cluster)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        try:
+            return await asyncio.gather(
+                *[
+                    client.completions.create(
+                        model=tiny_models["kimi_linear"].name,
+                        prompt=p,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for p in prompts
+                ]
+            )
+        finally:
+            await client.close()
+
+    res = asyncio.run(run())
+    engine = make_engine(tiny_models["kimi_linear"])
+    want = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    for p, r, w in zip(prompts, res, want, strict=True):
+        assert r.choices[0].text == engine.tokenizer.decode(w.output_token_ids), f"prompt of {len(p)} tokens diverges"
+    assert _lanes_served(cluster) - before == 16 * (LANES - 1)  # every handoff went over all its lanes
+    ok, used, _ = wait_all_free(cluster, 2.0)
+    assert ok, used
+
+
+@pytest.fixture
+def slow_prefill(tiny_models, tmp_path):
+    # a small prefill budget makes the producer stream for a while
+    c = LocalCluster(
+        tiny_models["kimi_linear"],
+        [WorkerSpec("prefill", ["--max-num-batched-tokens", "8"]), WorkerSpec("decode", ["--handoff-lanes", "3"])],
+        log_dir=tmp_path / "logs",
+    )
+    c.start()
+    yield c
+    c.stop()
+
+
+def _wait_live_transfer(c: LocalCluster) -> None:
+    deadline = time.monotonic() + 10
+    while scrape(c.worker("prefill").metrics_port)["tandem_prefill_live_transfers"] < 1:
+        assert time.monotonic() < deadline, "prefill never started"
+        time.sleep(0.01)
+
+
+def test_cancel_over_lanes_frees_both_sides(slow_prefill):
+    c = slow_prefill
+    p, d = c.worker("prefill"), c.worker("decode")
+
+    async def run():
+        async with grpc.aio.insecure_channel(d.endpoint) as ch:
+            call = decode_pb2_grpc.DecodeStub(ch).Generate(
+                _decode_request(random_prompts(1, [1500], seed=32)[0], p.endpoint, "cancel-lanes")
+            )
+            await asyncio.to_thread(_wait_live_transfer, c)
+            await asyncio.sleep(0.2)  # lanes are being pulled
+            assert scrape(p.metrics_port)["tandem_prefill_handoffs_with_lanes"] == 1
+            call.cancel()
+
+    asyncio.run(run())
+    ok, used, took = wait_all_free(c, 1.0)
+    assert ok, f"still in use after {took:.2f} s: {used}"
+
+
+def test_prefill_killed_while_lanes_stream_errors_within_2s(slow_prefill, tiny_models):
+    c = slow_prefill
+    client = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, timeout=30)
+    result: dict = {}
+
+    def call():
+        try:
+            client.completions.create(
+                model=tiny_models["kimi_linear"].name, prompt=random_prompts(1, [2000], seed=33)[0], max_tokens=4
+            )
+            result["ok"] = True
+        except openai.APIError as e:
+            result["error"] = e
+        result["t"] = time.monotonic()
+
+    th = threading.Thread(target=call)
+    th.start()
+    _wait_live_transfer(c)
+    time.sleep(0.2)
+    next(x for x in c.procs if x.name.startswith("prefill")).popen.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    th.join(10)
+    assert "error" in result, result
+    assert result["t"] - killed < 2.0, f"error after {result['t'] - killed:.2f} s"
+    d = c.worker("decode")
+    deadline = time.monotonic() + 2
+    while (m := scrape(d.metrics_port))["tandem_decode_pages_in_use"] or m["tandem_decode_slots_in_use"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
