@@ -15,9 +15,9 @@ Receivers, in this process, interleaved repeat by repeat so they see the same lo
 - gRPC, decode worker path: exactly DecodeService._pull's: ``wire.prefill_call`` on ``grpc_util.channel``,
   each message into ``HandoffConsumer.accept`` (CRC-32 verified, then written into the reserved pages of a
   CacheTensors at scattered page ids), ending with its completeness checks.
-- gRPC, decode worker path, copies on the loop: the same with the checksums and copies on the event loop
-  (``HandoffConsumer(offload_writes=False)``) instead of the worker threads of engine/kv_transfer/writes.py.
 - gRPC, transport only: the same stream as raw message bytes, nothing parsed (the floor under that path).
+- gRPC, transport only, sync API: the same with grpc's blocking API, each stream drained on a thread of
+  its own (whether the asyncio receive path is what limits the transport).
 
 With ``--lanes``, each gRPC path also runs with the handoff dealt over that many streams (the Prefill stream +
 PullLane, engine/kv_transfer/lanes.py), each on its own connection, as a decode worker started with
@@ -50,13 +50,13 @@ import torch
 from bench import handoff_data as hd
 from decode_svc.pull import pull_handoff
 from engine.kv_transfer.wire import EncodedChunk, add_prefill_servicer, lane_pull_call, parse_chunk, prefill_call
-from tandem.grpc_util import SERVER_OPTIONS, channel, own_connection_channel
+from tandem.grpc_util import KEEPALIVE_OPTIONS, SERVER_OPTIONS, channel, own_connection_channel
 from tandem.malloc import tune_malloc
 
 MIB = 1 << 20
 SEED = 0
 RAW, DECODE, TRANSPORT = "raw TCP", "gRPC, decode worker path", "gRPC, transport only"
-DECODE_INLINE = "gRPC, decode worker path, copies on the loop"
+TRANSPORT_SYNC = "gRPC, transport only, sync API, a thread per stream"
 
 
 # ---- senders (separate processes) ----------------------------------------------------------------
@@ -216,6 +216,7 @@ class GrpcReceiver:
             "/tandem.v1.Prefill/Prefill", request_serializer=pb.PrefillRequest.SerializeToString
         )
         self.lane_channels: dict[int, object] = {}  # lane -> its own connection, kept as a decode worker does
+        self.sync_channels: dict[int, object] = {}
         self.grpc = grpc
 
     def _lane_channel(self, lane: int):
@@ -231,6 +232,21 @@ class GrpcReceiver:
             "/tandem.v1.Prefill/PullLane", request_serializer=self.pb.LanePullRequest.SerializeToString
         )
 
+    def _sync_drain(self, lane: int, req) -> None:
+        if lane not in self.sync_channels:
+            import grpc
+
+            opts = [*KEEPALIVE_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+            self.sync_channels[lane] = grpc.insecure_channel(self.endpoint, options=opts)
+        ch = self.sync_channels[lane]
+        method, ser = (
+            ("/tandem.v1.Prefill/Prefill", self.pb.PrefillRequest.SerializeToString)
+            if lane == 0
+            else ("/tandem.v1.Prefill/PullLane", self.pb.LanePullRequest.SerializeToString)
+        )
+        for _ in ch.unary_stream(method, request_serializer=ser)(req):
+            pass
+
     async def receive(self, max_bytes: int, rid: str, mode: str, lanes: int = 1) -> Sample:
         req = self.pb.PrefillRequest(request_id=rid, max_message_bytes=max_bytes, lanes=lanes)
         if mode == "prepare":
@@ -243,20 +259,27 @@ class GrpcReceiver:
                 pass
 
         with Clock(self.pid) as c:
-            if mode == TRANSPORT:
+            if mode == TRANSPORT_SYNC:
+                reqs = [req] + [self.pb.LanePullRequest(request_id=rid, lane=i) for i in range(1, lanes)]
+                with ThreadPoolExecutor(lanes) as pool:
+                    await asyncio.gather(
+                        *[asyncio.wrap_future(pool.submit(self._sync_drain, i, r)) for i, r in enumerate(reqs)]
+                    )
+            elif mode == TRANSPORT:
                 lane_reqs = [self.pb.LanePullRequest(request_id=rid, lane=i) for i in range(1, lanes)]
                 await asyncio.gather(
                     drain(self.transport(req)), *[drain(self.lane_transport(r.lane)(r)) for r in lane_reqs]
                 )
             else:  # exactly the decode worker's pull (DecodeService._pull)
-                offload = mode == DECODE
-                consumer = hd.consumer_for(self.cfg, self.cache, self.n, self.page_ids, lanes, offload)
+                consumer = hd.consumer_for(self.cfg, self.cache, self.n, self.page_ids, lanes)
                 await pull_handoff(self.call(req), consumer, None, rid, None, self.lane_call)
         return c.sample
 
     async def close(self) -> None:
         for ch in [self.channel, *self.lane_channels.values()]:
             await ch.close()
+        for ch in self.sync_channels.values():
+            ch.close()
 
 
 def _summary(samples: list[Sample], nbytes: int) -> dict[str, float]:
@@ -292,10 +315,15 @@ async def _bench_async(
             await rx.receive(m, "warm-up", DECODE, lanes)
             if not hd.same_contents(expected, rx.cache, num_tokens, rx.page_ids):
                 raise RuntimeError(f"{m} B messages, {lanes} lanes: the received cache differs from the sender's")
-            samples: dict[str, list[Sample]] = {RAW: [], DECODE: [], DECODE_INLINE: [], TRANSPORT: []}
+            samples: dict[str, list[Sample]] = {
+                RAW: [],
+                DECODE: [],
+                TRANSPORT: [],
+                TRANSPORT_SYNC: [],
+            }
             for i in range(repeats):
                 samples[RAW].append(raw_receive(socks[:lanes], buf, raw_pid))
-                for mode in (DECODE, DECODE_INLINE, TRANSPORT):
+                for mode in (DECODE, TRANSPORT, TRANSPORT_SYNC):
                     samples[mode].append(await rx.receive(m, f"r{i}", mode, lanes))
             for k, v in samples.items():
                 out[(m, lanes, k)] = _summary(v, total)
@@ -426,7 +454,7 @@ def run_handoff_bench(
     for m in sizes:
         raw = res[(m, 1, RAW)]
         for lanes in lanes_list:
-            for k in (RAW, DECODE, DECODE_INLINE, TRANSPORT):
+            for k in (RAW, DECODE, TRANSPORT, TRANSPORT_SYNC):
                 r = res[(m, lanes, k)]
                 ratio = "-" if (k, lanes) == (RAW, 1) else f"{100 * r['median_gbps'] / raw['median_gbps']:.0f} %"
                 what = message_sizes(n, m) if (k, lanes) == (RAW, lanes_list[0]) else ""

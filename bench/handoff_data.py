@@ -155,9 +155,9 @@ def wire_bytes(msg: pb.HandoffChunk | EncodedChunk) -> bytes:
 
 
 def consumer_for(
-    cfg: ModelConfig, cache: CacheTensors, num_tokens: int, page_ids: list[int], lanes: int = 1, offload: bool = False
+    cfg: ModelConfig, cache: CacheTensors, num_tokens: int, page_ids: list[int], lanes: int = 1
 ) -> HandoffConsumer:
-    return HandoffConsumer(cfg, cache, FINGERPRINT, num_tokens, page_ids, [0], max_lanes=lanes, offload_writes=offload)
+    return HandoffConsumer(cfg, cache, FINGERPRINT, num_tokens, page_ids, [0], max_lanes=lanes)
 
 
 def same_contents(a: CacheTensors, b: CacheTensors, num_tokens: int, page_ids_b: list[int]) -> bool:

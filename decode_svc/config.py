@@ -24,9 +24,6 @@ class DecodeConfig:
     handoff_lanes: int = 1
     """Data streams to pull each handoff over, each on its own connection (engine/kv_transfer/lanes.py);
     the prefill worker may grant fewer."""
-    offload_handoff_writes: bool = True
-    """Checksums and copies of received pieces on worker threads, off the receiving event loop
-    (engine/kv_transfer/writes.py)."""
 
     def __post_init__(self) -> None:
         self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching)

@@ -110,4 +110,3 @@ async def pull_handoff(
             if t.done() and not t.cancelled():
                 t.exception()  # retrieved here (it is reported above), so asyncio does not log it again
             t.cancel()
-        consumer.wait_writes()  # no copy may still land in the pages when the caller uses or frees them

@@ -199,7 +199,6 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             page_ids,
             slot_ids,
             max_lanes=self.config.handoff_lanes,
-            offload_writes=self.config.offload_handoff_writes,
         )
         remaining = context.time_remaining()
         self.metrics.live_transfers.inc()

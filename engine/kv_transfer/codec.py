@@ -5,7 +5,6 @@ from __future__ import annotations
 from bisect import bisect_right, insort
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 # zlib-ng's CRC-32 is zlib's (same polynomial, same values; tests check it) at ~10x the speed of the system
@@ -68,16 +67,13 @@ class TensorAssembler:
         self.received = 0
         self._spans: list[tuple[int, int]] = []  # sorted (start, end) of the pieces received
 
-    def add(self, piece: pb.TensorBytes, data: bytes | memoryview | None = None, writes=None) -> int:
+    def add(self, piece: pb.TensorBytes, data: bytes | memoryview | None = None) -> int:
         """Verify and place one piece; returns its payload size. ``data``: the piece's payload where it was
-        received apart from the message (wire.ReceivedChunk), else ``piece.data``. ``writes``
-        (writes.PayloadWrites): the checksum and the copy of a piece placed straight into its segments run
-        there, after the piece is booked here; a piece for a host buffer is checked and copied now."""
+        received apart from the message (wire.ReceivedChunk), else ``piece.data``."""
         if data is None:
             data = piece.data  # each read of a bytes field is a copy under upb: read it once
-        crc, at = piece.crc32, piece.offset
-        if writes is None or self.buf is not None:
-            self._verify(crc, at, data)
+        if crc32(data) != piece.crc32:
+            raise HandoffError(f"{self.what}: checksum mismatch at byte offset {piece.offset}")
         if piece.dtype != dtype_name(self.dtype) or tuple(piece.shape) != self.shape:
             raise HandoffError(
                 f"{self.what}: got {piece.dtype}{list(piece.shape)}, "
@@ -88,16 +84,9 @@ class TensorAssembler:
         if piece.total_bytes != self.total or end > self.total:
             raise HandoffError(f"{self.what}: piece [{start}, {end}) outside {self.total} bytes")
         self._claim(start, end)
-        if writes is None or self.buf is not None:
-            self._write(start, memoryview(data))
-        else:
-            writes.submit(lambda: (self._verify(crc, at, data), self._write(start, memoryview(data))))
+        self._write(start, memoryview(data))
         self.received += n
         return n
-
-    def _verify(self, crc: int, offset: int, data: bytes | memoryview) -> None:
-        if crc32(data) != crc:
-            raise HandoffError(f"{self.what}: checksum mismatch at byte offset {offset}")
 
     def _claim(self, start: int, end: int) -> None:
         """Pieces must not overlap: then ``received == total`` means every byte was written."""
@@ -115,8 +104,7 @@ class TensorAssembler:
         while done < len(data):
             seg, at = self.segments[i], offset + done - self._starts[i]
             n = min(len(seg) - at, len(data) - done)
-            # numpy's copy releases the GIL (a memoryview slice assignment does not)
-            np.copyto(np.frombuffer(seg, np.uint8, n, at), np.frombuffer(data, np.uint8, n, done))
+            seg[at : at + n] = data[done : done + n]
             done += n
             i += 1
 

@@ -14,7 +14,6 @@ from engine.cache.tensors import CacheTensors
 from engine.fingerprint import Fingerprint
 from engine.kv_transfer.codec import HandoffError, TensorAssembler
 from engine.kv_transfer.wire import ReceivedChunk
-from engine.kv_transfer.writes import PayloadWrites
 from engine.model_config import ModelConfig
 from engine.request import TokenLogprobs
 from tandem.rpc import common_pb2 as cpb
@@ -81,12 +80,9 @@ class HandoffConsumer:
         page_ids: list[int],
         slot_ids: list[int],
         max_lanes: int = 1,
-        offload_writes: bool = False,
     ) -> None:
         self.cfg = cfg
         self.max_lanes = max_lanes
-        self._writes = PayloadWrites() if offload_writes else None
-        """Checksums and copies into the pages on worker threads (engine/kv_transfer/writes.py)."""
         self.cache = cache
         self.fingerprint = fingerprint
         self.n = num_prompt_tokens
@@ -117,7 +113,6 @@ class HandoffConsumer:
         or by wire.parse_chunk (payload apart); None where gRPC could not deserialize it."""
         if msg is None:
             raise HandoffError("a handoff message could not be decoded")
-        self._raise_write_error()
         data = None
         if isinstance(msg, ReceivedChunk):
             msg, data = msg.chunk, msg.data
@@ -169,7 +164,6 @@ class HandoffConsumer:
     ) -> HandoffResult | None:
         if msg is None:
             raise HandoffError(f"a message of {stream} could not be decoded")
-        self._raise_write_error()
         data = None
         if isinstance(msg, ReceivedChunk):
             msg, data = msg.chunk, msg.data
@@ -195,16 +189,6 @@ class HandoffConsumer:
         if tally.layers is not None:  # a stage stream: its own layers
             return layer in tally.layers
         return not any(layer in t.layers for t in self._stages.values())  # a lane: the prefill stream's share
-
-    def _raise_write_error(self) -> None:
-        if self._writes is not None and self._writes.error is not None:
-            err = self._writes.error
-            raise err if isinstance(err, HandoffError) else HandoffError(f"writing the handoff failed: {err!r}")
-
-    def wait_writes(self) -> None:
-        """Until no payload copy is pending: before the reservation is used, or released after a failure."""
-        if self._writes is not None:
-            self._writes.wait()
 
     def _end(self, tally: _Tally, end: pb.HandoffEnd, stream: str) -> HandoffResult | None:
         if tally.end is not None:
@@ -275,7 +259,7 @@ class HandoffConsumer:
         layer, p0, n = part.layer, part.page_index, part.num_tokens
         key = ("kv", layer, p0, n)
         asm = self._parts.get(key) or self._begin_kv(layer, p0, n)
-        self._cur.payload += asm.add(part.tensor, data, self._writes)
+        self._cur.payload += asm.add(part.tensor, data)
         if asm.complete:
             if asm.buf is not None:  # assembled on the host: copy into the pages now
                 rows, ps = asm.tensor(), self.page_size
@@ -333,7 +317,7 @@ class HandoffConsumer:
             asm = self._parts[key] = TensorAssembler(
                 what, pool.dtype, tuple(pool.shape[1:]), None if flat is None else [flat]
             )
-        self._cur.payload += asm.add(part.tensor, data, self._writes)
+        self._cur.payload += asm.add(part.tensor, data)
         if asm.complete:
             if asm.buf is not None:
                 pool[self.slot_ids[0]] = asm.tensor()
@@ -362,8 +346,6 @@ class HandoffConsumer:
         self._done.add(key)
 
     def _finish(self) -> HandoffResult:
-        self.wait_writes()  # every piece is booked; wait for the last copies and their checksums
-        self._raise_write_error()
         missing = [
             f"kv layer {layer} page {p}"
             for layer in self.cfg.attention_layers
