@@ -381,6 +381,8 @@ def section_state_copy(rep: Report, quick: bool) -> None:
 def section_moe(rep: Report, quick: bool) -> None:
     from kernels.moe.align import MAX_PAIRS, moe_align_auto, moe_align_triton
     from kernels.moe.combine import moe_combine_triton
+    from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
+    from kernels.moe.decode import moe_experts_decode
     from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align, moe_combine
     from kernels.moe.naive import naive_moe, sigmoid_topk_route
     from kernels.moe.triton import sigmoid_topk_route_triton
@@ -433,6 +435,18 @@ def section_moe(rep: Report, quick: bool) -> None:
             out = grouped_moe(x, weights, ids, w1, w3, w2, **kw)
             ms = timed(lambda: grouped_moe(x, weights, ids, w1, w3, w2, **kw), iters=5)  # noqa: B023
             rep.check(f"experts T={t}: + one-launch combine", ref, out[: ref.shape[0]], ms, nbytes, flops)
+            if t * k <= DECODE_MAX_PAIRS:  # align + the two decode launches + combine, a few tile shapes
+
+                def decode_path(bm: int, bn: int, bk: int, nw: int) -> torch.Tensor:
+                    al = moe_align_triton(ids, e)  # noqa: B023
+                    y = moe_experts_decode(x, al, w13, w2, bm, bn, bk, nw)  # noqa: B023
+                    return moe_combine_triton(y, al.rows_of_pairs(), weights, BF16)  # noqa: B023
+
+                for cfg in ((16, 64, 128, 4), (16, 32, 128, 4), (16, 128, 64, 4), (16, 64, 256, 8), (32, 64, 128, 4)):
+                    out = decode_path(*cfg)
+                    ms = timed(lambda: decode_path(*cfg), iters=5)  # noqa: B023
+                    name = f"experts T={t}: decode kernels (kernels/moe/decode.py) m/n/k/warps {cfg}"
+                    rep.check(name, ref, out[: ref.shape[0]], ms, nbytes, flops)
             del w13
         y = torch.randn(t * k, hid, device=DEV, dtype=BF16)  # the combine alone, against torch's gather + sum
         rows = torch.randperm(t * k, device=DEV)

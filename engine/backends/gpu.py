@@ -10,6 +10,7 @@ Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,8 @@ from engine.forward_batch import ForwardBatch, kv_write_fields
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
+from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
+from kernels.moe.decode import moe_experts_decode
 from kernels.moe.grouped import grouped_moe
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
@@ -322,10 +325,15 @@ class GPUKDABackend(KDABackend):
 
 
 class GPUMoEBackend(MoEBackend):
-    """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens."""
+    """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens, or, with
+    ``decode_kernels`` (``TANDEM_MOE_DECODE_KERNELS=1``; off until measured on the GPU), decode-sized steps
+    through the two launches of kernels/moe/decode.py."""
 
-    def __init__(self, experts_impl: str = "auto") -> None:
+    def __init__(self, experts_impl: str = "auto", decode_kernels: bool | None = None) -> None:
         self.experts_impl = experts_impl
+        if decode_kernels is None:
+            decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "") == "1"
+        self.decode_kernels = decode_kernels
 
     def route(
         self,
@@ -349,6 +357,10 @@ class GPUMoEBackend(MoEBackend):
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.decode_kernels and w13 is not None and 0 < ids.numel() <= DECODE_MAX_PAIRS:
+            al = moe_align_auto(ids, w13.shape[0])
+            y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
+            return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
         return grouped_moe(
             x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto, combine=moe_combine_auto
         )

@@ -31,6 +31,7 @@ if not ON_CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"
 TRITON_MODULES = (
     "kernels.moe.align",
     "kernels.moe.combine",
+    "kernels.moe.decode",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
     "kernels.paged_attention.triton",

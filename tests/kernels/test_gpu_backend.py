@@ -170,21 +170,29 @@ def test_kda_matches_reference(scenario):
         assert_close(f"kda state, layer {layer}", rec_ref, rec, ratio)
 
 
-def test_moe_matches_reference():
+@pytest.mark.parametrize("decode_kernels", [False, True], ids=["grouped", "decode kernels"])
+def test_moe_matches_reference(decode_kernels, monkeypatch):
+    import engine.backends.gpu as gpu_mod
+
+    launched = []
+    real = gpu_mod.moe_experts_decode
+    monkeypatch.setattr(gpu_mod, "moe_experts_decode", lambda *a, **kw: launched.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(2)
     t, e, k, hd, i = 13, 8, 2, 32, 16
     logits = torch.randn(t, e, generator=gen).to(DEVICE)
     bias = (torch.randn(e, generator=gen) * 0.1).to(DEVICE)
-    gpu, ref = GPUMoEBackend(), TorchMoEBackend()
+    gpu, ref = GPUMoEBackend(decode_kernels=decode_kernels), TorchMoEBackend()
     w_ref, ids_ref = ref.route(logits, bias, k, True, 2.446)
     w, ids = gpu.route(logits, bias, k, True, 2.446)
     assert torch.equal(ids.sort(1)[0], ids_ref.sort(1)[0])
     x = torch.randn(t, hd, generator=gen).to(DEVICE)
     w1, w3 = (torch.randn(e, i, hd, generator=gen).to(DEVICE) for _ in range(2))
     w2 = torch.randn(e, hd, i, generator=gen).to(DEVICE)
-    assert_close(
-        "experts", ref.experts(x, w_ref, ids_ref, w1, w3, w2), gpu.experts(x, w, ids, w1, w3, w2), tol(torch.float32)
-    )
+    w13 = torch.cat([w1, w3], dim=1)  # packed, as CausalLM.pack_weights leaves them (the decode kernels need it)
+    w1, w3 = w13[:, :i], w13[:, i:]
+    want = ref.experts(x, w_ref, ids_ref, w1, w3, w2)
+    assert_close("experts", want, gpu.experts(x, w, ids, w1, w3, w2, w13), tol(torch.float32))
+    assert bool(launched) == decode_kernels  # the path under test is the one that ran
 
 
 # ---- select_backends ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from kernels.moe.align import moe_align_triton
 from kernels.moe.combine import moe_combine_triton
+from kernels.moe.decode import moe_experts_decode
 from kernels.moe.grouped import grouped_moe, moe_align, moe_combine
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.moe.triton import sigmoid_topk_route_triton
@@ -132,3 +133,38 @@ def test_experts_rejects_bad_shapes():
         grouped_moe(x, ids.float(), ids, w, w, w)
     with pytest.raises(ValueError, match="impl"):
         grouped_moe(x, ids.float(), ids, w, w, w.transpose(1, 2), impl="magic")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("t", "e", "k", "h", "i", "blocks"),
+    [
+        (1, 8, 2, 64, 32, (16, 16, 32)),  # one token: most experts' programs return at once
+        (29, 16, 4, 96, 48, (16, 32, 64)),  # H and I not multiples of the blocks: masked tails
+        (40, 4, 2, 64, 32, (16, 16, 16)),  # groups longer than BLOCK_M: several row chunks per program
+    ],
+)
+def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE, dtype)
+    weights, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 2.446)
+    ref = naive_moe(x.float(), weights, ids, w13[:, :i].float(), w13[:, i:].float(), w2.float())
+    al = moe_align_triton(ids, e)
+    bm, bn, bk = blocks
+    y = moe_experts_decode(x, al, w13, w2, block_m=bm, block_n=bn, block_k=bk)
+    assert y.shape == (t * k, h) and y.dtype == dtype
+    out = moe_combine_triton(y, al.rows_of_pairs(), weights, dtype)
+    assert_close("decode experts", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
+    # each sorted row is its own expert's output: rows of another expert's group differ
+    if e > 1 and al.offsets[0] > 0 and al.offsets[-1] > al.offsets[0]:
+        wrong = moe_experts_decode(x, al, w13.flip(0), w2.flip(0))  # experts swapped: another result
+        assert not torch.allclose(wrong.float(), y.float())
+
+
+def test_decode_experts_refuse_bad_shapes():
+    x = torch.zeros(2, 64, device=DEVICE)
+    al = moe_align_triton(torch.zeros(2, 1, dtype=torch.int64, device=DEVICE), 4)
+    with pytest.raises(ValueError, match="w2"):
+        moe_experts_decode(x, al, torch.zeros(4, 64, 64, device=DEVICE), torch.zeros(4, 64, 16, device=DEVICE))

@@ -1,0 +1,163 @@
+"""MoE experts at decode sizes in two Triton launches. Contract: ``grouped.grouped_moe`` (its experts part).
+
+At decode a step routes a few hundred (token, expert) pairs over up to all 256 experts, a handful of rows
+each: the work is reading every hit expert's weights once. The grouped-GEMM path spends ~8 kernels a layer
+(gather of x, two grouped GEMMs with their setup kernels, SiLU, multiply) and tiles built for long groups.
+Here, on the expert-sorted layout of kernels/moe/align.py:
+
+    gate-up   one program per (expert, BLOCK_N columns of I): gathers its rows of x by token, streams the
+              expert's gate and up rows for those columns over H, writes silu(gate) * up (sorted rows)
+    down      one program per (expert, BLOCK_N columns of H): streams the expert's down rows over I
+
+Programs of experts with no rows return at once. The combine (kernels/moe/combine.py) then sums each
+token's k rows in fp32. Graph-safe: group bounds are read on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.grouped import MoEAlign
+from kernels.triton_utils import check_device, dot_config
+
+MAX_PAIRS = 4096
+"""Decode sizes: above this many pairs, groups are long and the grouped GEMMs' tiles win (to be measured)."""
+
+
+@triton.jit
+def _mm(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _gate_up_kernel(
+    X,  # [T, H] activations
+    TOKEN,  # [N] int64 token of each sorted row
+    ENDS,  # [E] int32 end row of each expert's group
+    W13,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (I = INTER)
+    A,  # [N, I] out: silu(gate) * up, sorted rows
+    H,
+    INTER,
+    up_offset,  # I * stride_wn: the up rows' offset from the gate rows
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_a,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    e = tl.program_id(0)
+    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
+    end = tl.load(ENDS + e)
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < INTER
+    w_gate = W13 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + up_offset
+    for m0 in range(start, end, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < end
+        tok = tl.load(TOKEN + o_m, mask=m_m, other=0)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < H
+            x = tl.load(X + tok[:, None] * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+            m_w = m_n[:, None] & m_k[None, :]
+            g = tl.load(w_gate + o_k[None, :], mask=m_w, other=0.0)
+            u = tl.load(w_up + o_k[None, :], mask=m_w, other=0.0)
+            acc_g += _mm(x, tl.trans(g), DOT_F32, PREC)
+            acc_u += _mm(x, tl.trans(u), DOT_F32, PREC)
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
+        p_a = A + o_m[:, None].to(tl.int64) * stride_a + o_n[None, :]
+        tl.store(p_a, act.to(A.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    A,  # [N, I] sorted rows
+    ENDS,  # [E] int32
+    W2,  # [E, H, I]
+    Y,  # [N, H] out, sorted rows
+    H,
+    INTER,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    e = tl.program_id(0)
+    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
+    end = tl.load(ENDS + e)
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    w = W2 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
+    for m0 in range(start, end, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < INTER
+            a = tl.load(
+                A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
+            )
+            b = tl.load(w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            acc += _mm(a, tl.trans(b), DOT_F32, PREC)
+        p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
+        tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+def moe_experts_decode(
+    x: torch.Tensor,
+    al: MoEAlign,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """x [T, H]; al: the sorted layout of the step's T*k pairs; w13 [E, 2I, H] (gate | up); w2 [E, H, I]
+    -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them)."""
+    check_device("moe_experts_decode", x, al.token, al.offsets, w13, w2)
+    e, i2, h = w13.shape
+    i = i2 // 2
+    if x.ndim != 2 or x.shape[1] != h or w2.shape != (e, h, i) or al.offsets.shape != (e,):
+        raise ValueError(
+            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I], offsets [E]; got {tuple(x.shape)}, {tuple(w13.shape)}, "
+            f"{tuple(w2.shape)}, {tuple(al.offsets.shape)}"
+        )
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("x, w13 and w2 must be contiguous along their last dimension")
+    n = al.token.numel()
+    a = torch.empty(n, i, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return y
+    dot_f32, prec = dot_config(x.dtype)
+    blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
+    ends = al.offsets.to(torch.int32)
+    _gate_up_kernel[(e, triton.cdiv(i, block_n))](
+        x, al.token, ends, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
+        **blocks, num_warps=num_warps,
+    )  # fmt: skip
+    _down_kernel[(e, triton.cdiv(h, block_n))](
+        a, ends, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks, num_warps=num_warps
+    )
+    return y
+
+
+__all__ = ["MAX_PAIRS", "moe_experts_decode"]
