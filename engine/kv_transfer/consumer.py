@@ -261,14 +261,22 @@ class HandoffConsumer:
         asm = self._parts.get(key) or self._begin_kv(layer, p0, n)
         self._cur.payload += asm.add(part.tensor, data)
         if asm.complete:
-            if asm.buf is not None:  # assembled on the host: copy into the pages now
-                rows, ps = asm.tensor(), self.page_size
-                for j in range(-(-n // ps)):
-                    chunk = rows[j * ps : (j + 1) * ps]
-                    self.cache.kv[layer][self.page_ids[p0 + j], : chunk.shape[0]] = chunk
+            if asm.buf is not None:  # assembled on the host (a device cache): into the pages now
+                self._place_rows(layer, p0, n, asm.tensor())
             self._done.update(("kv", layer, p) for p in range(p0, p0 + -(-n // self.page_size)))
             self._complete(key)
             self.num_kv_parts += 1
+
+    def _place_rows(self, layer: int, p0: int, n: int, rows: torch.Tensor) -> None:
+        """Tokens [p0 * page_size, + n) into their reserved pages: the whole pages with one indexed copy
+        (one host-to-device transfer, not one per page), a partial last page after them."""
+        ps, kv = self.page_size, self.cache.kv[layer]
+        full = n // ps
+        if full:
+            ids = torch.tensor(self.page_ids[p0 : p0 + full], dtype=torch.int64).to(kv.device)
+            kv.index_copy_(0, ids, rows[: full * ps].view(full, ps, *rows.shape[1:]).to(kv.device))
+        if n > full * ps:
+            kv[self.page_ids[p0 + full], : n - full * ps] = rows[full * ps :]
 
     def _begin_kv(self, layer: int, p0: int, n: int) -> TensorAssembler:
         ps = self.page_size
