@@ -69,6 +69,8 @@ class LLMEngine(ImportSide):
             config, self.max_model_len, self.model_config.eos_token_ids, self.pages, self.slots, self.prefix_cache
         )
         self.filing_hooks: list[Callable[[list[tuple[bytes, int]], list[tuple[bytes, int]]], None]] = []
+        self.before_output_hooks: list[Callable[[], None]] = []
+        """Run after a step's forward, before its outputs are made (a P/D producer flushes its messages)."""
         """Called on the engine thread after each step with the (hash, page) and (hash, slot) filed
         in it, while their contents are still in place (the prefix tier copies them out here)."""
         self.runner = self._make_runner()
@@ -245,6 +247,8 @@ class LLMEngine(ImportSide):
     def _postprocess(
         self, sched: SchedulerOutput, sampled: dict[str, SampleResult], aux_rows: dict[str, int]
     ) -> list[RequestOutput]:
+        for hook in self.before_output_hooks:
+            hook()
         updated = self.scheduler.postprocess(sched, sampled)
         if self.scheduler.filed_pages or self.scheduler.filed_checkpoints:
             pages, ckpts = self.scheduler.filed_pages, self.scheduler.filed_checkpoints

@@ -64,6 +64,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.namespace_digest = fingerprint.model_digest
         self.producer = HandoffProducer(self.engine.model_config, self.engine.cache, self.engine.config.page_size)
         self.engine.model.layer_hooks.append(self.producer.on_layer)
+        self.engine.before_output_hooks.append(self.producer.flush)  # messages before the request's output
         self.engine.attach_handoff_producer(self.producer)  # other pipeline stages follow its registrations
         self._stage_streams: list[pb.StageStream] | None = None
         self._stage_lock = asyncio.Lock()

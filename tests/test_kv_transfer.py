@@ -22,12 +22,13 @@ from tests.conftest import make_engine, random_prompts
 MAX_BYTES = 300  # tiny, so every tensor is split into several messages
 
 
-def _handoff(engine, prompt):
+def _handoff(engine, prompt, async_copies: bool = False):
     """Run a prefill on `engine` and collect the handoff messages (as the prefill service does)."""
     cfg = engine.model_config
     fp = compute_fingerprint(engine.config.model, cfg, engine.dtype, engine.config.page_size)
-    producer = HandoffProducer(cfg, engine.cache, engine.config.page_size)
+    producer = HandoffProducer(cfg, engine.cache, engine.config.page_size, async_copies=async_copies)
     engine.model.layer_hooks.append(producer.on_layer)
+    engine.before_output_hooks.append(producer.flush)
     msgs = [
         pb.HandoffChunk(
             header=pb.HandoffHeader(
@@ -60,16 +61,17 @@ def _handoff(engine, prompt):
 
 
 @pytest.mark.parametrize("prompt_len", [5, 16, 45])
-@pytest.mark.parametrize("via", ["protobuf", "wire", "host buffer"])
+@pytest.mark.parametrize("via", ["protobuf", "wire", "host buffer", "encoder thread"])
 def test_handoff_roundtrip_is_bit_exact(model_dir, prompt_len, via, monkeypatch):
     """via: messages parsed by protobuf, or by wire.parse_chunk (as the decode service does), or with
-    pieces assembled in a host buffer first (how a device cache is filled)."""
+    pieces assembled in a host buffer first (how a device cache is filled), or encoded on the producer's
+    encoder thread from snapshots (as on a GPU prefill worker), flushed before the step's output."""
     if via == "host buffer":
         monkeypatch.setattr(consumer_mod, "_byte_view", lambda t: None)
     p_engine = make_engine(model_dir, max_num_batched_tokens=7)  # chunked: pages finish across chunks
     d_engine = make_engine(model_dir)
     prompt = random_prompts(1, [prompt_len], seed=3)[0]
-    msgs, p_req, fp = _handoff(p_engine, prompt)
+    msgs, p_req, fp = _handoff(p_engine, prompt, async_copies=via == "encoder thread")
     assert all(len(m.SerializeToString()) < MAX_BYTES + 512 for m in msgs)
     res = d_engine.reserve_import("x", prompt_len)
     consumer = HandoffConsumer(d_engine.model_config, d_engine.cache, fp, prompt_len, res.page_ids, res.slot_ids)

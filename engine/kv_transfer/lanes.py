@@ -9,7 +9,7 @@ the same bytes on a 16-core host). A consumer that asks for ``lanes`` > 1 pulls 
     PullLane(lane=1)          msg 1 . msg n+1 ...                                                . end
     ...
 
-The producer's layer hook deals messages round-robin on the engine thread; each lane's end marker counts
+The producer deals messages round-robin as it emits them; each lane's end marker counts
 its own messages and bytes, and the consumer uses nothing until every stream has ended and checked out.
 A lane holds encoded bytes only (the pages are freed when the prefill ends, as without lanes). Lanes of
 a finished handoff wait ``ttl_s`` to be pulled; a failed or cancelled handoff fails its lanes at once.
@@ -56,7 +56,8 @@ class _LaneSet:
 
 
 class Dealer:
-    """The producer's delivery callback for one request (engine thread): message k goes to lane k % n."""
+    """The producer's delivery callback for one request (called from one thread: the engine's, or the
+    producer's encoder): message k goes to lane k % n."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, lane0: Callable[[EncodedChunk], None], queues: list) -> None:
         self.loop, self.lane0, self.queues = loop, lane0, queues

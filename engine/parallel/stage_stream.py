@@ -136,6 +136,7 @@ class StageProducer:
 
     def end_step(self, plan: StepPlan) -> None:
         """Requests whose prompt completed in this step have sent everything of this stage: end them."""
+        self.producer.flush()  # their last messages are in the outbox before the end marker
         batch = plan.batch
         for rid, done in zip(batch.request_ids, batch.completes_prompt or [], strict=False):
             if done and rid in self.active:

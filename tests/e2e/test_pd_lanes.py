@@ -1,6 +1,9 @@
 """Handoffs pulled over lanes (engine/kv_transfer/lanes.py) between real processes: a decode worker that
 pulls each handoff over 3 streams is token-exact, a cancelled request leaves nothing held on either side
-(pages, slots, lanes), and a prefill worker killed mid-stream is an error within 2 s."""
+(pages, slots, lanes), and a prefill worker killed mid-stream is an error within 2 s.
+
+The token-exact cluster's prefill worker also encodes on its producer's encoder thread, as on a GPU
+(``TANDEM_HANDOFF_ASYNC_COPIES=1``): messages leave from that thread and the step's output waits for them."""
 
 from __future__ import annotations
 
@@ -30,12 +33,17 @@ def _lanes_served(cluster: LocalCluster) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TANDEM_HANDOFF_ASYNC_COPIES", "1")  # the workers inherit it
     c = LocalCluster(
         tiny_models["kimi_linear"],
         [WorkerSpec("prefill"), WorkerSpec("decode", ["--handoff-lanes", str(LANES)])],
         log_dir=tmp_path_factory.mktemp("logs-lanes"),
     )
-    c.start()
+    try:
+        c.start()
+    finally:
+        mp.undo()
     yield c
     c.stop()
 
