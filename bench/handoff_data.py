@@ -109,19 +109,24 @@ def produce(
         )
         for layer in range(cfg.num_hidden_layers):
             producer.on_layer(layer, batch)
-    encoded = msgs[1:]
     msgs.append(pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=[bytes(32)] * (num_tokens // PAGE_SIZE))))
     first = pb.FirstToken()
     first.token.token_id = 1
     msgs.append(pb.HandoffChunk(first_token=first))
+    msgs.append(_end_marker(msgs))
+    return msgs
+
+
+def _end_marker(stream: list) -> pb.HandoffChunk:
+    """The end marker that counts ``stream`` (the messages before it)."""
+    encoded = [m for m in stream if isinstance(m, EncodedChunk)]
     end = pb.HandoffEnd(
-        num_messages=len(msgs),
+        num_messages=len(stream),
         payload_bytes=sum(m.payload_bytes for m in encoded),
         num_kv_parts=sum(m.kind == "kv" for m in encoded),
         num_state_tensors=sum(m.kind == "state" for m in encoded),
     )
-    msgs.append(pb.HandoffChunk(end=end))
-    return msgs
+    return pb.HandoffChunk(end=end)
 
 
 def deal(msgs: list[pb.HandoffChunk | EncodedChunk], lanes: int) -> list[list[pb.HandoffChunk | EncodedChunk]]:
@@ -137,16 +142,7 @@ def deal(msgs: list[pb.HandoffChunk | EncodedChunk], lanes: int) -> list[list[pb
     for k, m in enumerate(data):
         streams[k % lanes].append(m)
     streams[0] += [m for m in msgs[1:-1] if not isinstance(m, EncodedChunk)]
-    for stream in streams:
-        encoded = [m for m in stream if isinstance(m, EncodedChunk)]
-        end = pb.HandoffEnd(
-            num_messages=len(stream),
-            payload_bytes=sum(m.payload_bytes for m in encoded),
-            num_kv_parts=sum(m.kind == "kv" for m in encoded),
-            num_state_tensors=sum(m.kind == "state" for m in encoded),
-        )
-        stream.append(pb.HandoffChunk(end=end))
-    return streams
+    return [stream + [_end_marker(stream)] for stream in streams]
 
 
 def wire_bytes(msg: pb.HandoffChunk | EncodedChunk) -> bytes:

@@ -8,8 +8,6 @@ The token-exact cluster's prefill worker also encodes on its producer's encoder 
 from __future__ import annotations
 
 import asyncio
-import signal
-import threading
 import time
 
 import grpc
@@ -20,7 +18,7 @@ from engine.sampling_params import SamplingParams
 from tandem.cluster import LocalCluster, WorkerSpec
 from tandem.rpc import decode_pb2_grpc
 from tests.conftest import make_engine, random_prompts
-from tests.e2e.helpers import scrape, wait_all_free
+from tests.e2e.helpers import kill_prefill_mid_stream, scrape, wait_all_free
 from tests.e2e.test_pd_faults import _decode_request
 
 LANES = 3
@@ -120,31 +118,4 @@ def test_cancel_over_lanes_frees_both_sides(slow_prefill):
 
 
 def test_prefill_killed_while_lanes_stream_errors_within_2s(slow_prefill, tiny_models):
-    c = slow_prefill
-    client = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0, timeout=30)
-    result: dict = {}
-
-    def call():
-        try:
-            client.completions.create(
-                model=tiny_models["kimi_linear"].name, prompt=random_prompts(1, [2000], seed=33)[0], max_tokens=4
-            )
-            result["ok"] = True
-        except openai.APIError as e:
-            result["error"] = e
-        result["t"] = time.monotonic()
-
-    th = threading.Thread(target=call)
-    th.start()
-    _wait_live_transfer(c)
-    time.sleep(0.2)
-    next(x for x in c.procs if x.name.startswith("prefill")).popen.send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    th.join(10)
-    assert "error" in result, result
-    assert result["t"] - killed < 2.0, f"error after {result['t'] - killed:.2f} s"
-    d = c.worker("decode")
-    deadline = time.monotonic() + 2
-    while (m := scrape(d.metrics_port))["tandem_decode_pages_in_use"] or m["tandem_decode_slots_in_use"]:
-        assert time.monotonic() < deadline, m
-        time.sleep(0.02)
+    kill_prefill_mid_stream(slow_prefill, tiny_models["kimi_linear"].name, random_prompts(1, [2000], seed=33)[0])
