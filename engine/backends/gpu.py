@@ -24,7 +24,7 @@ from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
-from kernels.moe.grouped import grouped_moe
+from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
@@ -325,15 +325,27 @@ class GPUKDABackend(KDABackend):
 
 
 class GPUMoEBackend(MoEBackend):
-    """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens, or, with
-    ``decode_kernels`` (``TANDEM_MOE_DECODE_KERNELS=1``; off until measured on the GPU), decode-sized steps
-    through the two launches of kernels/moe/decode.py."""
+    """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens, or decode-sized
+    steps through the two launches of kernels/moe/decode.py: with ``decode_kernels``
+    (``TANDEM_MOE_DECODE_KERNELS=1``; bf16: off until measured on the GPU), and always where the grouped
+    path would need the host (fp32 on CUDA)."""
 
     def __init__(self, experts_impl: str = "auto", decode_kernels: bool | None = None) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
             decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "") == "1"
         self.decode_kernels = decode_kernels
+        self._decode_failed = False
+
+    def _decode_path(self, x: torch.Tensor) -> bool:
+        """Opted in, or the only path without host syncs: torch's grouped GEMM is bf16-only and the
+        per-expert loop it falls back to (fp32) reads the group sizes on the host, which a decode CUDA
+        graph cannot hold."""
+        return not self._decode_failed and (self.decode_kernels or self._grouped_needs_host(x))
+
+    @staticmethod
+    def _grouped_needs_host(x: torch.Tensor) -> bool:
+        return x.is_cuda and not grouped_mm_supported(x)
 
     def route(
         self,
@@ -357,10 +369,14 @@ class GPUMoEBackend(MoEBackend):
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.decode_kernels and w13 is not None and 0 < ids.numel() <= DECODE_MAX_PAIRS:
-            al = moe_align_auto(ids, w13.shape[0])
-            y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
-            return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
+        if w13 is not None and 0 < ids.numel() <= DECODE_MAX_PAIRS and self._decode_path(x):
+            try:
+                al = moe_align_auto(ids, w13.shape[0])
+                y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
+                return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
+            except Exception as err:  # e.g. a compile failure on an untried GPU: the grouped path, for good
+                self._decode_failed = True
+                logger.warning("MoE decode kernels failed (%s); decode steps use the grouped path", err)
         return grouped_moe(
             x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto, combine=moe_combine_auto
         )

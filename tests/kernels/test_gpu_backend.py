@@ -170,13 +170,23 @@ def test_kda_matches_reference(scenario):
         assert_close(f"kda state, layer {layer}", rec_ref, rec, ratio)
 
 
-@pytest.mark.parametrize("decode_kernels", [False, True], ids=["grouped", "decode kernels"])
-def test_moe_matches_reference(decode_kernels, monkeypatch):
+@pytest.mark.parametrize("path", ["grouped", "decode kernels", "fp32 on CUDA", "decode kernels failing"])
+def test_moe_matches_reference(path, monkeypatch):
     import engine.backends.gpu as gpu_mod
 
     launched = []
     real = gpu_mod.moe_experts_decode
-    monkeypatch.setattr(gpu_mod, "moe_experts_decode", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+
+    def decode(*a, **kw):
+        launched.append(1)
+        if path == "decode kernels failing":
+            raise RuntimeError("no kernel for this GPU")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gpu_mod, "moe_experts_decode", decode)
+    # fp32 on CUDA: the grouped path would read group sizes on the host, so the decode kernels run unasked
+    monkeypatch.setattr(GPUMoEBackend, "_grouped_needs_host", staticmethod(lambda x: path == "fp32 on CUDA"))
+    decode_kernels = path in ("decode kernels", "decode kernels failing")
     gen = torch.Generator().manual_seed(2)
     t, e, k, hd, i = 13, 8, 2, 32, 16
     logits = torch.randn(t, e, generator=gen).to(DEVICE)
@@ -192,7 +202,11 @@ def test_moe_matches_reference(decode_kernels, monkeypatch):
     w1, w3 = w13[:, :i], w13[:, i:]
     want = ref.experts(x, w_ref, ids_ref, w1, w3, w2)
     assert_close("experts", want, gpu.experts(x, w, ids, w1, w3, w2, w13), tol(torch.float32))
-    assert bool(launched) == decode_kernels  # the path under test is the one that ran
+    assert bool(launched) == (path != "grouped")  # the path under test is the one that ran
+    if path == "decode kernels failing":  # fell back to the grouped path, and stays there
+        assert gpu._decode_failed
+        gpu.experts(x, w, ids, w1, w3, w2, w13)
+        assert len(launched) == 1
 
 
 # ---- select_backends ------------------------------------------------------------------------------
