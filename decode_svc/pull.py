@@ -65,6 +65,8 @@ async def pull_handoff(
             raise
 
     def side_streams() -> list[asyncio.Task]:
+        if consumer.lanes > 1 and lane_call is None:
+            raise HandoffError(f"the producer dealt the handoff over {consumer.lanes} lanes; none were asked for")
         out = []
         for s in consumer.stage_streams:
             scall = stage_call(s.endpoint)(pb.StagePullRequest(request_id=rid, stage=s.stage), timeout=timeout)
@@ -73,8 +75,6 @@ async def pull_handoff(
                 pull_side(scall, what, partial(consumer.accept_stage, s.stage), partial(consumer.stream_ended, s.stage))
             )
         for lane in range(1, consumer.lanes):
-            if lane_call is None:
-                raise HandoffError(f"the producer dealt the handoff over {consumer.lanes} lanes; none were asked for")
             lcall = lane_call(lane)(pb.LanePullRequest(request_id=rid, lane=lane), timeout=timeout)
             out.append(
                 pull_side(
