@@ -16,8 +16,8 @@ import asyncio
 import socket
 import time
 
-from bench import handoff as hb
 from bench import handoff_data as hd
+from bench import handoff_io as hb
 from tandem.grpc_util import KEEPALIVE_OPTIONS
 from tandem.malloc import tune_malloc
 from tandem.rpc import prefill_pb2 as pb
