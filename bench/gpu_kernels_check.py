@@ -324,6 +324,7 @@ def section_norms(rep: Report, quick: bool) -> None:
     """fla's fused norms and KDA gate (engine/backends/norm.py, GPUKDABackend.gate) vs the references."""
     from engine.backends.gpu import GPUKDABackend
     from engine.backends.norm import FlaNormBackend, TorchNormBackend
+    from kernels.activation import silu_mul
     from kernels.kda.naive import kda_gate
 
     ref, fla = TorchNormBackend(), FlaNormBackend()
@@ -356,6 +357,16 @@ def section_norms(rep: Report, quick: bool) -> None:
             dt_bias = torch.randn(32 * 128, device=DEV)
             want = kda_gate(g_raw, a_log, dt_bias, 128)
             rep.check(f"kda_gate {name}", want, GPUKDABackend().gate(g_raw, a_log, dt_bias, 128), rel_tol=1e-3)
+            # SwiGLU on the two strided halves of a packed gate|up output (kernels/activation.py): fla's one
+            # kernel vs torch's silu + multiply, at the routed experts' T*k rows for a T-token step
+            h13 = torch.randn(t * 8, 2 * 1024, device=DEV, dtype=dt)
+            g_half, u_half = h13[:, :1024], h13[:, 1024:]
+            want = (torch.nn.functional.silu(g_half.float()) * u_half.float()).to(dt)
+            nbytes = 3 * g_half.numel() * g_half.element_size()
+            ms = timed(lambda: silu_mul(g_half, u_half))  # noqa: B023
+            rep.check(f"silu_mul {name} x8 rows: fla swiglu", want, silu_mul(g_half, u_half), ms, nbytes)
+            ms = timed(lambda: torch.nn.functional.silu(g_half) * u_half)  # noqa: B023
+            rep.check(f"silu_mul {name} x8 rows: torch", None, None, ms, nbytes)
 
 
 def section_state_copy(rep: Report, quick: bool) -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.backends.norm import TorchNormBackend
+from kernels.activation import silu_mul
 
 if TYPE_CHECKING:
     from engine.backends import Backends
@@ -85,8 +86,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).split(self.gate_up.sizes, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class RotaryEmbedding(nn.Module):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.activation import silu_mul
+
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 logger = logging.getLogger(__name__)
 
@@ -134,9 +136,9 @@ def grouped_moe(
 
     def gate_up(gemm: Callable) -> torch.Tensor:  # [T*k, I]
         if w13 is None:
-            return F.silu(gemm(xs, w1, al.offsets)) * gemm(xs, w3, al.offsets)
+            return silu_mul(gemm(xs, w1, al.offsets), gemm(xs, w3, al.offsets))
         h13 = gemm(xs, w13, al.offsets)
-        return F.silu(h13[:, :i]) * h13[:, i:]
+        return silu_mul(h13[:, :i], h13[:, i:])
 
     try:
         a = gate_up(gemm)
