@@ -17,7 +17,7 @@ from engine.fingerprint import Fingerprint
 from engine.forward_batch import ForwardBatch
 from engine.kv_transfer.consumer import HandoffConsumer, fingerprint_to_pb
 from engine.kv_transfer.producer import HandoffProducer
-from engine.kv_transfer.wire import EncodedChunk
+from engine.kv_transfer.wire import EncodedChunk, StreamCount
 from engine.model_config import ModelConfig
 from tandem.rpc import prefill_pb2 as pb
 
@@ -119,14 +119,10 @@ def produce(
 
 def _end_marker(stream: list) -> pb.HandoffChunk:
     """The end marker that counts ``stream`` (the messages before it)."""
-    encoded = [m for m in stream if isinstance(m, EncodedChunk)]
-    end = pb.HandoffEnd(
-        num_messages=len(stream),
-        payload_bytes=sum(m.payload_bytes for m in encoded),
-        num_kv_parts=sum(m.kind == "kv" for m in encoded),
-        num_state_tensors=sum(m.kind == "state" for m in encoded),
-    )
-    return pb.HandoffChunk(end=end)
+    count = StreamCount()
+    for m in stream:
+        count.sent(m)
+    return count.end()
 
 
 def deal(msgs: list[pb.HandoffChunk | EncodedChunk], lanes: int) -> list[list[pb.HandoffChunk | EncodedChunk]]:

@@ -9,24 +9,20 @@ CUDA call only (the CPU engine and the HF-parity tests never import it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-_UNRESOLVED = object()
-_fla_swiglu: Callable | object | None = _UNRESOLVED
 
-
+@functools.cache
 def _swiglu() -> Callable | None:
-    global _fla_swiglu
-    if _fla_swiglu is _UNRESOLVED:
-        try:
-            from fla.modules.activations.ops import swiglu_fwd
-        except ImportError:
-            swiglu_fwd = None
-        _fla_swiglu = swiglu_fwd
-    return _fla_swiglu  # type: ignore[return-value]
+    try:
+        from fla.modules.activations.ops import swiglu_fwd
+    except ImportError:
+        return None
+    return swiglu_fwd
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

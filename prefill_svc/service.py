@@ -19,7 +19,7 @@ from engine.kv_transfer.codec import tensor_pieces
 from engine.kv_transfer.consumer import fingerprint_from_pb, fingerprint_to_pb
 from engine.kv_transfer.lanes import HandoffLanes, LaneRefused
 from engine.kv_transfer.producer import HandoffProducer
-from engine.kv_transfer.wire import EncodedChunk, encode_chunk
+from engine.kv_transfer.wire import EncodedChunk, StreamCount, encode_chunk
 from engine.llm_engine import RequestOutput
 from kvstore.store import PrefixStore
 from prefill_svc.config import PrefillConfig
@@ -127,10 +127,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.metrics.live_transfers.inc()
         t0 = time.monotonic()
         finished = taps_added = False
-        num_messages = payload = num_kv = num_state = 0
+        count = StreamCount()  # the Prefill stream's totals, for its end marker
         try:
             cfg = self.engine.model_config
-            yield pb.HandoffChunk(
+            header = pb.HandoffChunk(
                 header=pb.HandoffHeader(
                     producer_fingerprint=fingerprint_to_pb(self.fingerprint),
                     num_prompt_tokens=len(prompt),
@@ -141,7 +141,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     lanes=lanes,
                 )
             )
-            num_messages += 1
+            yield count.sent(header)
             salt = request.cache_salt
             aux_ids = tuple(request.aux_layer_ids)
             if aux_ids:  # the consumer's drafter reads these; capturing them is not speculating
@@ -163,37 +163,21 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     self.metrics.ttft.observe(time.monotonic() - t0)
                     ns = namespace(self.namespace_digest, request.cache_salt)
                     hashes = block_hashes(ns, prompt, self.engine.config.page_size)
-                    yield pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=hashes))
+                    yield count.sent(pb.HandoffChunk(block_hashes=pb.BlockHashes(hashes=hashes)))
                     if aux_ids:
                         for msg in _aux_messages(item, aux_ids, max_bytes):
-                            payload += msg.payload_bytes
-                            num_messages += 1
-                            yield msg.wire
+                            yield count.sent(msg)
                     first = pb.FirstToken(has_logprob=bool(item.logprobs))
                     first.token.token_id = item.output_token_ids[0]
                     if item.logprobs:
                         first.token.CopyFrom(logprobs_to_pb(item.logprobs[0]))
-                    yield pb.HandoffChunk(first_token=first)
-                    num_messages += 2
-                    yield pb.HandoffChunk(
-                        end=pb.HandoffEnd(
-                            num_messages=num_messages,
-                            payload_bytes=payload,
-                            num_kv_parts=num_kv,
-                            num_state_tensors=num_state,
-                        )
-                    )
+                    yield count.sent(pb.HandoffChunk(first_token=first))
+                    yield count.end()
                     self.metrics.requests.labels("ok").inc()
-                    self.metrics.transfer_bytes.inc(payload)
+                    self.metrics.transfer_bytes.inc(count.payload)
                     self.metrics.transfer_seconds.observe(time.monotonic() - t0)
                     return
-                payload += item.payload_bytes  # an EncodedChunk from the producer: kv or state
-                if item.kind == "kv":
-                    num_kv += 1
-                else:
-                    num_state += 1
-                num_messages += 1
-                yield item.wire
+                yield count.sent(item)  # an EncodedChunk from the producer: kv or state
         except asyncio.CancelledError:
             self.metrics.requests.labels("cancelled").inc()
             raise
@@ -212,18 +196,15 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def PullLane(self, request: pb.LanePullRequest, context: grpc.aio.ServicerContext):
         """One more data stream of a handoff (engine/kv_transfer/lanes.py)."""
-        payload, outcome = 0, "cancelled"
+        count, outcome = StreamCount(), "cancelled"
         try:
-            async for item in self.lanes.pull(request.request_id, request.lane):
-                if isinstance(item, EncodedChunk):
-                    payload += item.payload_bytes
-                    yield item.wire
-                else:
+            async for msg in self.lanes.pull(request.request_id, request.lane, count):
+                if isinstance(msg, pb.HandoffChunk):  # the end marker
                     outcome = "ok"
-                    yield item
+                yield msg
         except LaneRefused as e:
             outcome = "refused"
             await context.abort(e.code, str(e))
         finally:
-            self.metrics.transfer_bytes.inc(payload)
+            self.metrics.transfer_bytes.inc(count.payload)
             self.metrics.lane_streams.labels(outcome).inc()

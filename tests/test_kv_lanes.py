@@ -15,7 +15,7 @@ import torch
 from engine.kv_transfer.codec import HandoffError
 from engine.kv_transfer.consumer import HandoffConsumer
 from engine.kv_transfer.lanes import Dealer, HandoffLanes, LaneRefused
-from engine.kv_transfer.wire import EncodedChunk
+from engine.kv_transfer.wire import EncodedChunk, StreamCount
 from tandem.rpc import prefill_pb2 as pb
 from tests.conftest import make_engine, random_prompts
 from tests.test_kv_transfer import _handoff
@@ -124,11 +124,17 @@ def test_lane_end_marker_must_count_its_stream(handoff):
 
 
 def test_a_lane_may_not_carry_a_stage_streams_layer(handoff):
-    def feed(c, s):
-        c._stages[1] = type(c._main)(frozenset({s[1][0].kv.layer if s[1][0].HasField("kv") else s[1][0].state.layer}))
-        c.accept_lane(1, s[1][0])
-
-    _refused(handoff, feed, "outside the prefill stream's share")
+    """With a pipelined producer, lanes carry the prefill stream's share only, never a stage's layers."""
+    streams = handoff[-1]
+    m = streams[1][0]
+    layer = m.kv.layer if m.HasField("kv") else m.state.layer
+    header = pb.HandoffChunk()
+    header.CopyFrom(streams[0][0])
+    header.header.stage_streams.add(stage=1, endpoint="127.0.0.1:1", layers=[layer])
+    _, _, consumer = _consumer(handoff)
+    consumer.accept(header)
+    with pytest.raises(HandoffError, match="outside the prefill stream's share"):
+        consumer.accept_lane(1, m)
 
 
 def test_unfinished_lane_gives_no_result(handoff):
@@ -150,7 +156,8 @@ def _chunk(i: int) -> EncodedChunk:
 
 
 async def _drain(lanes: HandoffLanes, rid: str, lane: int) -> list:
-    return [x async for x in lanes.pull(rid, lane)]
+    """What the lane sends: each message's bytes, then the end marker."""
+    return [x async for x in lanes.pull(rid, lane, StreamCount())]
 
 
 def test_dealer_is_round_robin_and_lanes_end_with_their_totals():
@@ -166,7 +173,7 @@ def test_dealer_is_round_robin_and_lanes_end_with_their_totals():
         lanes.end("r")
         got1, got2 = await asyncio.gather(_drain(lanes, "r", 1), _drain(lanes, "r", 2))
         assert [c.wire[0] for c in lane0] == [0, 3, 6]
-        assert [c.wire[0] for c in got1[:-1]] == [1, 4] and [c.wire[0] for c in got2[:-1]] == [2, 5]
+        assert [w[0] for w in got1[:-1]] == [1, 4] and [w[0] for w in got2[:-1]] == [2, 5]
         end = got1[-1].end
         assert (end.num_messages, end.payload_bytes, end.num_kv_parts, end.num_state_tensors) == (2, 11 + 14, 1, 1)
         assert lanes.live == 0  # every lane pulled to its end: nothing kept

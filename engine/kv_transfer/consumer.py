@@ -16,6 +16,7 @@ from engine.kv_transfer.codec import HandoffError, TensorAssembler
 from engine.kv_transfer.wire import ReceivedChunk
 from engine.model_config import ModelConfig
 from engine.request import TokenLogprobs
+from kernels.upload import upload
 from tandem.rpc import common_pb2 as cpb
 from tandem.rpc import prefill_pb2 as pb
 
@@ -273,8 +274,8 @@ class HandoffConsumer:
         ps, kv = self.page_size, self.cache.kv[layer]
         full = n // ps
         if full:
-            ids = torch.tensor(self.page_ids[p0 : p0 + full], dtype=torch.int64).to(kv.device)
-            kv.index_copy_(0, ids, rows[: full * ps].view(full, ps, *rows.shape[1:]).to(kv.device))
+            ids = upload(torch.tensor(self.page_ids[p0 : p0 + full], dtype=torch.int64), kv.device)
+            kv.index_copy_(0, ids, upload(rows[: full * ps].view(full, ps, *rows.shape[1:]), kv.device))
         if n > full * ps:
             kv[self.page_ids[p0 + full], : n - full * ps] = rows[full * ps :]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.kv_transfer.wire import EncodedChunk
+from engine.kv_transfer.wire import EncodedChunk, StreamCount
 from tandem.rpc import prefill_pb2 as pb
 
 MAX_LANES = 16
@@ -113,8 +113,8 @@ class HandoffLanes:
     def live(self) -> int:
         return len(self._sets)
 
-    async def pull(self, rid: str, lane: int) -> AsyncIterator[EncodedChunk | pb.HandoffChunk]:
-        """Lane ``lane``'s messages, then its end marker. Raises LaneRefused."""
+    async def pull(self, rid: str, lane: int, count: StreamCount) -> AsyncIterator[bytes | pb.HandoffChunk]:
+        """What lane ``lane`` sends: its messages, counted in ``count``, then its end marker. Raises LaneRefused."""
         s = self._sets.get(rid)
         if s is None:
             raise LaneRefused(
@@ -128,23 +128,15 @@ class HandoffLanes:
             raise LaneRefused(grpc.StatusCode.FAILED_PRECONDITION, f"lane {lane} of handoff {rid!r} is already pulled")
         s.pulled.add(lane)
         q = s.queues[lane - 1]
-        messages = payload = kv = state = 0
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, _End):
-                    end = pb.HandoffEnd(
-                        num_messages=messages, payload_bytes=payload, num_kv_parts=kv, num_state_tensors=state
-                    )
-                    yield pb.HandoffChunk(end=end)
+                    yield count.end()
                     return
                 if isinstance(item, _Failed):
                     raise LaneRefused(grpc.StatusCode.ABORTED, f"handoff {rid!r}: {item.reason}")
-                messages += 1
-                payload += item.payload_bytes
-                kv += item.kind == "kv"
-                state += item.kind == "state"
-                yield item
+                yield count.sent(item)
         finally:
             s.finished.add(lane)
             if len(s.finished) == len(s.queues) and self._sets.get(rid) is s:

@@ -54,6 +54,36 @@ class EncodedChunk(NamedTuple):
     payload_bytes: int
 
 
+@dataclass
+class StreamCount:
+    """What one handoff stream sent, for the totals its end marker carries (the consumer checks them)."""
+
+    messages: int = 0
+    payload: int = 0
+    kv: int = 0
+    state: int = 0
+
+    def sent(self, msg: EncodedChunk | pb.HandoffChunk) -> bytes | pb.HandoffChunk:
+        """Count ``msg``; returns what the stream sends for it (an encoded message's bytes as they are)."""
+        self.messages += 1
+        if isinstance(msg, EncodedChunk):
+            self.payload += msg.payload_bytes
+            self.kv += msg.kind == "kv"
+            self.state += msg.kind == "state"
+            return msg.wire
+        return msg
+
+    def end(self) -> pb.HandoffChunk:
+        return pb.HandoffChunk(
+            end=pb.HandoffEnd(
+                num_messages=self.messages,
+                payload_bytes=self.payload,
+                num_kv_parts=self.kv,
+                num_state_tensors=self.state,
+            )
+        )
+
+
 class _Unusual(Exception):
     """Bytes the fast path does not handle; protobuf parses them (or reports them malformed)."""
 

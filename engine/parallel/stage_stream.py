@@ -29,7 +29,7 @@ import grpc
 
 from engine.cache.tensors import CacheTensors
 from engine.kv_transfer.producer import HandoffProducer
-from engine.kv_transfer.wire import EncodedChunk, serialize_chunk
+from engine.kv_transfer.wire import EncodedChunk, StreamCount, serialize_chunk
 from engine.model_config import ModelConfig
 from engine.parallel.plan import StepPlan
 from tandem.rpc import prefill_pb2 as pb
@@ -153,7 +153,7 @@ class StageProducer:
         if request.stage != self.stage:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"this is stage {self.stage}, not {request.stage}")
         box = self.outbox.box(rid, pulling=True)
-        messages = payload = kv = state = 0
+        count = StreamCount()
         try:
             while True:
                 try:
@@ -165,15 +165,9 @@ class StageProducer:
                 if isinstance(item, StageFailed):
                     context.abort(grpc.StatusCode.ABORTED, item.reason)
                 if isinstance(item, StageEnd):
-                    end = pb.HandoffEnd(num_messages=messages, payload_bytes=payload, num_kv_parts=kv)
-                    end.num_state_tensors = state
-                    yield pb.HandoffChunk(end=end)
+                    yield count.end()
                     return
-                messages += 1
-                payload += item.payload_bytes
-                kv += item.kind == "kv"
-                state += item.kind == "state"
-                yield item.wire
+                yield count.sent(item)
         finally:
             self.outbox.drop(rid)
 

@@ -15,8 +15,10 @@ pytestmark = pytest.mark.usefixtures("fla_unblocked")
 
 
 @pytest.fixture
-def fresh_lookup(monkeypatch):
-    monkeypatch.setattr(act, "_fla_swiglu", act._UNRESOLVED)  # resolved with fla importable
+def fresh_lookup():
+    act._swiglu.cache_clear()  # looked up again, with fla importable
+    yield
+    act._swiglu.cache_clear()  # and not remembered once fla is blocked again
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
