@@ -92,7 +92,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         return stage_pull_call(self._channel(endpoint))
 
     def _lane_call(self, endpoint: str, lane: int) -> grpc.aio.UnaryStreamMultiCallable:
-        """PullLane on lane ``lane``'s own connection: one connection is read by one transport thread."""
+        """PullLane on lane ``lane``'s own connection (gRPC would otherwise share one per endpoint)."""
         key = (endpoint, lane)
         if key not in self._lane_channels:
             self._lane_channels[key] = own_connection_channel(endpoint)

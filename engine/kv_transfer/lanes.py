@@ -1,9 +1,10 @@
 """Handoff lanes (producer side): one handoff's kv / state messages dealt over several gRPC streams.
 
-gRPC reads one HTTP/2 connection on one transport thread, and that thread, not the network, is what
-limits a single handoff stream (bench/handoff.py: the transport alone reaches ~2/3 of a raw TCP copy of
-the same bytes on a 16-core host). A consumer that asks for ``lanes`` > 1 pulls lanes 1 .. n-1 with
-``Prefill/PullLane``, each on its own connection, beside the Prefill stream (lane 0):
+One TCP flow is often what limits a long transfer over a real network; lanes give a handoff several. (On
+loopback they did not speed up one receiving process: gRPC's Python receive path is the limit there, see
+docs/PERFORMANCE.md "handoff lanes"; the default is one lane.) A consumer that asks for ``lanes`` > 1
+pulls lanes 1 .. n-1 with ``Prefill/PullLane``, each on its own connection, beside the Prefill stream
+(lane 0):
 
     Prefill stream (lane 0)   header{lanes=n} . msg 0 . msg n   ... block_hashes . first_token . end
     PullLane(lane=1)          msg 1 . msg n+1 ...                                                . end
