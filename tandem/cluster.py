@@ -109,22 +109,29 @@ class LocalCluster:
             p.spec.port = int(addr.rsplit(":", 1)[1])
             p.spec.metrics_port = int(metrics.split("=", 1)[1])
         if self.start_router:
-            for attempt in range(3):  # the router's ports are picked here: retry if one was taken meanwhile
-                args = ["router", "--model", self.model, "--http-port", str(self.http_port)]
-                args += ["--grpc-port", str(self.grpc_port)]
-                for w in self.workers:
-                    args += [f"--{w.role}", w.endpoint]
-                router = self._spawn("router", args + self.router_args)
-                try:
-                    self._wait([router], timeout, stop_on_failure=False)
-                    break
-                except RuntimeError:
-                    self.procs.remove(router)
-                    if attempt == 2:
-                        self.stop()
-                        raise
-                    self.http_port, self.grpc_port = free_port(), free_port()
+            self.router([(w.role, w.endpoint) for w in self.workers], timeout)
         return self
+
+    def router(self, endpoints: list[tuple[str, str]], timeout: float = 180.0) -> Proc:
+        """Start a router over ``endpoints`` ((role, host:port) pairs) on this cluster's HTTP / gRPC ports.
+        Those were picked free earlier; another socket may have taken one since (an outgoing connection's
+        ephemeral port): then fresh ports, up to three attempts."""
+        for attempt in range(3):
+            args = ["router", "--model", self.model, "--http-port", str(self.http_port)]
+            args += ["--grpc-port", str(self.grpc_port)]
+            for role, endpoint in endpoints:
+                args += [f"--{role}", endpoint]
+            router = self._spawn("router", args + self.router_args)
+            try:
+                self._wait([router], timeout, stop_on_failure=False)
+                return router
+            except RuntimeError:
+                self.procs.remove(router)
+                if attempt == 2:
+                    self.stop()
+                    raise
+                self.http_port, self.grpc_port = free_port(), free_port()
+        raise AssertionError("unreachable")
 
     def _wait(self, procs: list[Proc], timeout: float, stop_on_failure: bool = True) -> None:
         deadline = time.monotonic() + timeout

@@ -91,9 +91,7 @@ def test_router_over_parallel_workers(cluster, expected):
     """The router registers a multi-rank worker as one endpoint (pcp=2 x pp=2 prefill -> tp=2 decode)."""
     prompts, want = expected
     prefill, decode = cluster.worker("prefill", 0), cluster.worker("decode", 0)
-    args = ["router", "--model", cluster.model, "--http-port", str(cluster.http_port)]
-    args += ["--grpc-port", str(cluster.grpc_port), "--prefill", prefill.endpoint, "--decode", decode.endpoint]
-    cluster._wait([cluster._spawn("router", args)], 60)
+    cluster.router([("prefill", prefill.endpoint), ("decode", decode.endpoint)], 60)
     client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
     tok = Tokenizer(cluster.model)
     for prompt, w in zip(prompts, want, strict=True):
