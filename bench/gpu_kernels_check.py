@@ -103,6 +103,22 @@ def timed(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -> float:
     return start.elapsed_time(end) / iters
 
 
+def kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Milliseconds of GPU kernel time per call (torch.profiler): for kernels of a few microseconds, where
+    back-to-back calls time the host's launches instead."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return us / 1e3 / iters
+
+
 def first_call(fn: Callable[[], object]) -> tuple[object, float]:
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -302,6 +318,18 @@ def section_short_conv(rep: Report, quick: bool) -> None:
         init_t = torch.tensor(init, device=DEV, dtype=torch.int32)
         ms = timed(lambda: short_conv_update(x, weight, st, slots_t, qsl_t, init_t, max_q_len=max(lens)))  # noqa: B023
         rep.check(f"short_conv {label}: time", None, None, ms, nbytes=2 * x.numel() * 2 + 2 * n * c * (w - 1) * 2)
+        if max(lens) >= 256:  # the prefill path through fla's causal_conv1d (kernels/short_conv/fla_adapter.py)
+            from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
+
+            st = state.clone()
+            step = conv_step(slots, qsl, init, DEV)
+            out = short_conv_prefill_fla(x, weight, st, step)
+            rep.check(f"short_conv {label}: fla y", ref, out)
+            rep.check(f"short_conv {label}: fla window", ref_state, st, exact=True)
+            ms = timed(lambda: short_conv_prefill_fla(x, weight, st, step))  # noqa: B023
+            rep.check(
+                f"short_conv {label}: fla time", None, None, ms, nbytes=2 * x.numel() * 2 + 2 * n * c * (w - 1) * 2
+            )
     # spec verify: 64 requests x (1 + 3 drafts), state width W-1+3
     num_spec, n = 3, 64
     lens = [num_spec + 1] * n
@@ -416,6 +444,9 @@ def section_moe(rep: Report, quick: bool) -> None:
         ms_n = timed(lambda: sigmoid_topk_route(logits, bias, k, True, 2.446))  # noqa: B023
         rep.check(f"route T={t}: Triton kernel", None, None, ms_t, nbytes=logits.numel() * 4)
         rep.check(f"route T={t}: torch (naive, 7 kernels)", None, None, ms_n, nbytes=logits.numel() * 4)
+        for bt in (1, 2, 4, 8, 16):  # tokens per program, GPU time only
+            ms_k = kernel_ms(lambda: sigmoid_topk_route_triton(logits, bias, k, True, 2.446, block_t=bt))  # noqa: B023
+            rep.check(f"route T={t}: kernel time, {bt} tokens per program", None, None, ms_k)
     w1 = (torch.randn(e, inter, hid, device=DEV) * hid**-0.5).to(BF16)
     w3 = (torch.randn(e, inter, hid, device=DEV) * hid**-0.5).to(BF16)
     w2 = (torch.randn(e, hid, inter, device=DEV) * inter**-0.5).to(BF16)
@@ -472,6 +503,12 @@ def section_moe(rep: Report, quick: bool) -> None:
             rep.check(f"align T={t}: ends", al_ref.offsets, al.offsets, exact=True)
             rep.check(f"align T={t}: torch sort path", None, None, timed(lambda: moe_align(ids, e)))  # noqa: B023
             rep.check(f"align T={t}: one launch", None, None, timed(lambda: moe_align_triton(ids, e)))  # noqa: B023
+            for blk, warps in ((64, 8), (32, 4), (64, 4), (128, 8), (128, 16), (256, 16)):
+                fn = lambda: moe_align_triton(ids, e, block=blk, num_warps=warps)  # noqa: B023
+                same = torch.equal(fn().order, al_ref.order)
+                rep.check(
+                    f"align T={t}: kernel time, block {blk} warps {warps}, same {same}", None, None, kernel_ms(fn)
+                )
         torch.cuda.empty_cache()
 
 

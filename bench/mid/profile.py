@@ -2,14 +2,16 @@
 
 The backends' methods (attention: write_kv, gqa, mla; KDA: short_conv, recurrence; MoE: route, experts) and
 every nn.Linear or packed projection outside the MoE block (projections, dense MLP, LM head) run inside a
-``tandem.<group>`` record_function range while profiling; a range's time is the GPU time of the kernels launched
-inside it (torch's inclusive ``device_time_total``). "other" is the remainder of all kernel time: norms, the KDA
-gate, embedding, residual adds, sampling. The shared expert's linears count as MoE. On the host (no GPU) the same
+``tandem.<group>`` record_function range while profiling. On the GPU a group's time is the summed time of the
+kernels that ran inside the range's GPU-side span (innermost range wins), "total" the time of every kernel, so
+Triton launches (which have no aten op to hang their time on) count too; "other" is the remainder: norms, the
+KDA gate, embedding, residual adds, sampling. The shared expert's linears count as MoE. On the host (no GPU) the same
 grouping uses CPU time, which only checks the plumbing.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -81,9 +83,46 @@ def _get(e: Any, *names: str) -> float:
     return 0.0
 
 
+def _gpu_spans(prof: profile) -> tuple[list[tuple[float, float, str]], list[tuple[float, float]]]:
+    """(GPU-side spans of the tandem.* ranges, sorted by start; every kernel / memcpy / memset interval)."""
+    spans, kernels = [], []
+    for e in prof.events():
+        if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CPU:
+            continue
+        tr = e.time_range
+        if e.name.startswith(PREFIX):
+            if e.name[len(PREFIX) :] in GROUPS:
+                spans.append((float(tr.start), float(tr.end), e.name[len(PREFIX) :]))
+        else:
+            kernels.append((float(tr.start), float(tr.end)))
+    spans.sort()
+    return spans, kernels
+
+
+def _breakdown_by_spans(prof: profile, per: int) -> dict[str, float] | None:
+    spans, kernels = _gpu_spans(prof)
+    if not spans:
+        return None
+    starts = [s[0] for s in spans]
+    out, total = dict.fromkeys(GROUPS, 0.0), 0.0
+    for ks, ke in kernels:
+        total += ke - ks
+        j = bisect.bisect_right(starts, ks) - 1
+        for i in range(j, max(j - 64, -1), -1):  # the latest-starting span that contains it is the innermost
+            if spans[i][1] >= ke:
+                out[spans[i][2]] += ke - ks
+                break
+    res = {k: v / 1e3 / per for k, v in out.items()}
+    res["total"] = total / 1e3 / per
+    res["other"] = res["total"] - sum(res[g] for g in GROUPS)
+    return res
+
+
 def breakdown(prof: profile, device: torch.device, per: int = 1) -> dict[str, float]:
     """Milliseconds per group (divided by `per`, e.g. the number of steps profiled), 'other' and 'total'."""
     cuda = device.type == "cuda"
+    if cuda and (by_spans := _breakdown_by_spans(prof, per)) is not None:
+        return by_spans
     incl = ("device_time_total", "cuda_time_total") if cuda else ("cpu_time_total",)
     self_ = ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
     out = dict.fromkeys(GROUPS, 0.0)

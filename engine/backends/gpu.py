@@ -29,6 +29,7 @@ from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
 from kernels.paged_attention.triton import attention_fwd
+from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
 from kernels.short_conv.triton import short_conv_update
 from kernels.upload import upload
 
@@ -129,6 +130,9 @@ class GPUAttentionBackend(AttentionBackend):
 
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 KDA_CHUNK = 64  # fla's chunk size: chunk_kda's intermediate states sit every 64 tokens of a segment
+FLA_CONV_MIN_LEN = (
+    256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
+)
 
 
 class _Round:
@@ -232,7 +236,8 @@ class _KDAStep:
 
 
 class GPUKDABackend(KDABackend):
-    """Short conv with the slot-indexed Triton kernel; the recurrence with fla-core.
+    """Short conv with the slot-indexed Triton kernel (fla's ``causal_conv1d`` for steps with a chunk of at
+    least ``FLA_CONV_MIN_LEN`` tokens: 2-3x faster there); the recurrence with fla-core.
 
     Decode tokens (one per sequence) go through fla's fused recurrent kernel in place on the slot pool;
     prefill chunks through ``chunk_fn`` (fla's ``chunk_kda`` by default) from gathered initial states, with
@@ -252,6 +257,7 @@ class GPUKDABackend(KDABackend):
         self.exact_checkpoints = exact_checkpoints
         self._step = PerStep()
         self._fused_gate: Callable | None = None  # fla's, looked up on the first CUDA call (not per layer)
+        self._fla_conv_failed = False
 
     def gate(self, g_raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
         """fla's fused gate kernel (one launch instead of six elementwise ones) on CUDA."""
@@ -281,8 +287,29 @@ class GPUKDABackend(KDABackend):
             else:
                 prev = conv_cache[slot, :, off:w1] if has_init else conv_cache.new_zeros(x.shape[1], w1 - off)
                 conv_cache[dst, :, :w1] = torch.cat([prev, x[row0 : row0 + off].t().to(conv_cache.dtype)], dim=-1)
-        return short_conv_update(
-            x.contiguous(), weight.contiguous(), conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len
+        x = x if x.stride(1) == 1 else x.contiguous()  # the q|k|v column view runs as is: no copy
+        if self._fla_conv_fits(x, batch, m):
+            try:
+                step = self._step.get(
+                    batch,
+                    "conv_fla",
+                    lambda: conv_step(batch.state_slots, batch.query_start_loc, batch.has_initial_state, x.device),
+                )
+                return short_conv_prefill_fla(x, weight.contiguous(), conv_cache, step)
+            except Exception as err:  # e.g. an fla build that refuses this GPU: the slot kernel, for good
+                self._fla_conv_failed = True
+                logger.warning("fla causal_conv1d failed (%s); prefill short conv uses the slot kernel", err)
+        return short_conv_update(x, weight.contiguous(), conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len)
+
+    def _fla_conv_fits(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep) -> bool:
+        """Long prefill chunks on CUDA (not decode / verify: those stay one graph-safe launch)."""
+        return (
+            x.is_cuda
+            and not self._fla_conv_failed
+            and isinstance(m, _KDAStep)
+            and m.max_q_len >= FLA_CONV_MIN_LEN
+            and min(batch.state_slots, default=0) >= 0
+            and fla_available()
         )
 
     def recurrence(
@@ -326,14 +353,14 @@ class GPUKDABackend(KDABackend):
 
 class GPUMoEBackend(MoEBackend):
     """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens, or decode-sized
-    steps through the two launches of kernels/moe/decode.py: with ``decode_kernels``
-    (``TANDEM_MOE_DECODE_KERNELS=1``; bf16: off until measured on the GPU), and always where the grouped
-    path would need the host (fp32 on CUDA)."""
+    steps through the two launches of kernels/moe/decode.py (default; measured on an H200 at T=64: 0.61 vs
+    0.94 ms a layer, docs/PERFORMANCE.md; ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), and
+    always where the grouped path would need the host (fp32 on CUDA)."""
 
     def __init__(self, experts_impl: str = "auto", decode_kernels: bool | None = None) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
-            decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "") == "1"
+            decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
         self.decode_kernels = decode_kernels
         self._decode_failed = False
 

@@ -68,6 +68,7 @@ def sigmoid_topk_route_triton(
     top_k: int,
     renormalize: bool,
     scaling_factor: float,
+    block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype; math in fp32) -> (weights [T, k] fp32, expert ids [T, k] int64).
 
@@ -87,7 +88,9 @@ def sigmoid_topk_route_triton(
     if t == 0:
         return weights, ids
     block_e = next_pow2(e)
-    block_t = max(1, min(16, 4096 // block_e))
+    # few tokens per program: the k argmax rounds are serial in a program (H200, kernel time, E=256: T=64
+    # 3.6 us at 2 tokens vs 11.4 at 16; T=4096 12.6 us at 4 vs 14.4 at 16; bench/gpu_kernels_check.py)
+    block_t = block_t or max(1, min(2 if t <= 1024 else 4, 4096 // block_e))
     _sigmoid_topk_kernel[(triton.cdiv(t, block_t),)](
         router_logits,
         correction_bias.contiguous() if correction_bias is not None else router_logits,

@@ -14,6 +14,7 @@ the GPU idle: a 32k-token prompt is one sequence); then a second launch of the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -114,8 +115,21 @@ def _short_conv_kernel(
     tl.store(p_st[:, None] + o_s[None, :], b_new, mask=m_w)
 
 
-T_CHUNK = 256
-"""Tokens per program of a long sequence (one chunk per program, in parallel; see the module docstring)."""
+@dataclass(frozen=True)
+class ConvTiles:
+    """Launch parameters: tokens per tile, channels per program, tokens per program of a long sequence
+    (chunks run in parallel; see the module docstring), warps."""
+
+    block_t: int
+    block_c: int
+    t_chunk: int = 256
+    num_warps: int = 4
+
+
+def default_tiles(longest: int, channels: int) -> ConvTiles:
+    """16-token tiles of up to 256 channels (4,096 fp32 accumulators), 256 tokens per program."""
+    block_t = min(next_pow2(max(longest, 1)), 16)
+    return ConvTiles(block_t, max(16, min(next_pow2(channels), 4096 // block_t, 256)))
 
 
 def _as_int32(x, n: int, device: torch.device, name: str) -> torch.Tensor:
@@ -140,6 +154,7 @@ def short_conv_update(
     spec: bool = False,
     out: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    tiles: ConvTiles | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over a varlen batch, reading and updating each sequence's state slot.
 
@@ -154,6 +169,7 @@ def short_conv_update(
             None means 1 (column 0, the plain contract).
         spec: use the spec write (x lands at columns W-2..; see naive_spec.py) instead of the plain one.
         max_q_len: longest sequence (tile-size hint when query_start_loc is a device tensor).
+        tiles: launch parameters (default: ``default_tiles``; bench/short_conv_sweep.py times others).
     Returns: y [T, C] in x's dtype.
 
     With slots/num_accepted as host lists the wrapper checks the contract's bounds; device tensors skip the
@@ -199,21 +215,43 @@ def short_conv_update(
         out = torch.empty_like(x)
     if n == 0:
         return out
-    block_t = min(next_pow2(max_len), 16)
-    block_c = max(16, min(next_pow2(c), 4096 // block_t, 256))
-    # the last chunk runs to its sequence's end, so a max_q_len hint that is too small costs speed, not tokens
     longest = max_len if not isinstance(query_start_loc, torch.Tensor) else (max_q_len or 0)
-    n_chunks = max(1, triton.cdiv(longest, T_CHUNK))
+    tl_ = tiles or default_tiles(max_len, c)
+    block_t, block_c, t_chunk = tl_.block_t, tl_.block_c, max(tl_.t_chunk, tl_.block_t)
+    # the last chunk runs to its sequence's end, so a max_q_len hint that is too small costs speed, not tokens
+    n_chunks = max(1, triton.cdiv(longest, t_chunk))
     args = (x, out, conv_state, weight, slots_t, qsl_t, acc_t, init_t, c, s)
     args += (x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=spec, HAS_ACC=num_accepted is not None, BLOCK_C=block_c, BLOCK_T=block_t)
-    meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=4)
+    meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tl_.num_warps)
     one = n_chunks == 1
     grid = (n, triton.cdiv(c, block_c), n_chunks)
-    _short_conv_kernel[grid](*args, T_CHUNK, n_chunks, CONV=True, WRITE_STATE=one, **meta)
+    _short_conv_kernel[grid](*args, t_chunk, n_chunks, CONV=True, WRITE_STATE=one, **meta)
     if not one:  # every chunk has read the old window: now the states
-        _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, T_CHUNK, 1, CONV=False, WRITE_STATE=True, **meta)
+        _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, t_chunk, 1, CONV=False, WRITE_STATE=True, **meta)
     return out
 
 
-__all__ = ["short_conv_update"]
+def write_windows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> None:
+    """Only the plain state write of ``short_conv_update`` (its second launch), for a conv computed elsewhere
+    (kernels/short_conv/fla_adapter.py): each sequence's new window = the last W-1 columns of [old | x^T].
+    Device int32 slots [N] (-1 skipped), query_start_loc [N+1], has_initial_state [N]; no host checks."""
+    check_device("write_windows", x, weight, conv_state)
+    n, (t, c), kw, s = slots.numel(), x.shape, weight.shape[1], conv_state.shape[2]
+    if n == 0:
+        return
+    block_c = 256
+    args = (x, x, conv_state, weight, slots, query_start_loc, slots, has_initial_state, c, s)
+    args += (x.stride(0), x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0))
+    meta = dict(KW=kw, SPEC=False, HAS_ACC=False, BLOCK_C=block_c, BLOCK_T=1, BLOCK_S=next_pow2(max(s, kw - 1)))
+    _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4)
+
+
+__all__ = ["ConvTiles", "default_tiles", "short_conv_update", "write_windows"]

@@ -7,7 +7,7 @@ import torch
 
 from kernels.short_conv.naive import naive_short_conv
 from kernels.short_conv.naive_spec import naive_short_conv_update
-from kernels.short_conv.triton import short_conv_update
+from kernels.short_conv.triton import ConvTiles, short_conv_update
 from tests.kernels.helpers import DEVICE, assert_close, tol
 
 
@@ -61,6 +61,29 @@ def test_long_sequences_run_in_token_chunks(qsl_kind):
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEVICE)
         slots_t = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
         out = short_conv_update(x, weight, state, slots_t, qsl_t, init, max_q_len=hint)
+    assert_close("y", ref, out, tol(torch.float32))
+    assert torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [ConvTiles(32, 16, 64, 2), ConvTiles(64, 32, 64, 4), ConvTiles(16, 64, 16, 1), ConvTiles(32, 16, 8, 2)],
+    ids=["t32c16k64", "t64c32k64", "t16c64k16", "chunk-below-tile"],
+)
+def test_any_tiles_and_a_strided_input_match_naive(tiles):
+    """Launch parameters other than the default (as bench/short_conv_sweep.py times them) and x as a column
+    view of a wider projection output (the model's q|k|v slice: no contiguous copy) give the same result."""
+    lens, init, slots = [150, 3, 70], [True, False, True], [2, 0, 1]
+    qsl, x, weight, state = _inputs(lens, 40, 4, 3, 3, torch.float32, seed=5)
+    wide = torch.randn(x.shape[0], 56, device=DEVICE)
+    wide[:, 8:48] = x
+    xv = wide[:, 8:48]
+    assert not xv.is_contiguous()
+    ref_state, ref = state.clone(), torch.empty_like(x)
+    for i, s in enumerate(slots):
+        y, win = naive_short_conv(x[qsl[i] : qsl[i + 1]], weight, ref_state[s] if init[i] else None)
+        ref[qsl[i] : qsl[i + 1]], ref_state[s] = y, win
+    out = short_conv_update(xv, weight, state, slots, qsl, init, tiles=tiles)
     assert_close("y", ref, out, tol(torch.float32))
     assert torch.equal(state, ref_state)
 

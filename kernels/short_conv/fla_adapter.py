@@ -1,0 +1,100 @@
+"""Long prefill chunks' short conv through fla-core's ``causal_conv1d``. Contract: kernels/short_conv/naive.py.
+
+On an H200 (``python -m bench.short_conv_sweep``, q|k|v of Kimi-Linear: 12,288 channels, bf16) fla's kernel
+ran an 8k / 32k-token chunk in 230 / 598 us (41 / 63 % of copy bandwidth), the slot kernel at its best tiles
+in 415 / 1,625 us: fla gives each 64-token tile its own program, ours walks a chunk of tiles per program. fla
+has no state slots, so the windows are gathered into its ``initial_state`` [N, C, W] (column 0 unused: it reads
+columns 1..W-1, oldest first, our window's order) and the new windows are written by the slot kernel's state
+launch (``write_windows``) after the conv has read the old ones (same stream). Decode and spec verify keep the
+slot kernel (one launch, graph-safe, in-place windows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.upload import upload
+
+FLA_TILE = 64
+"""fla's tokens per program (its ``chunk_size``); chunk_indices are built for it."""
+
+
+@dataclass(frozen=True)
+class ConvStep:
+    """A step's varlen layout for fla, built once per step (host lists in, device tensors out, no sync)."""
+
+    slots: torch.Tensor  # [N] int32
+    slots_long: torch.Tensor  # [N] int64, for the window gather
+    qsl: torch.Tensor  # [N+1] int32
+    has_init: torch.Tensor  # [N] int32
+    cu: torch.Tensor  # [N+1] int64
+    cu_cpu: torch.Tensor  # [N+1] int64 on the host (fla reads lengths from it)
+    chunk_indices: torch.Tensor  # [NT, 2] int64 (sequence, tile) of each of fla's programs
+    any_init: bool
+
+
+def conv_step(slots: Sequence[int], qsl: Sequence[int], has_init: Sequence[bool], device: torch.device) -> ConvStep:
+    n = len(slots)
+    if len(qsl) != n + 1 or len(has_init) != n or min(slots, default=0) < 0:
+        raise ValueError(f"fla conv needs N real slots and N+1 offsets, got {list(slots)}, {list(qsl)}")
+    tiles = [(i, j) for i in range(n) for j in range(-(-(qsl[i + 1] - qsl[i]) // FLA_TILE))]
+    ints = list(slots) + list(qsl) + [int(b) for b in has_init]
+    dev32 = upload(torch.tensor(ints, dtype=torch.int32), device)
+    longs = list(slots) + list(qsl) + [v for t in tiles for v in t]
+    dev64 = upload(torch.tensor(longs, dtype=torch.int64), device)
+    return ConvStep(
+        slots=dev32[:n],
+        slots_long=dev64[:n],
+        qsl=dev32[n : 2 * n + 1],
+        has_init=dev32[2 * n + 1 :],
+        cu=dev64[n : 2 * n + 1],
+        cu_cpu=torch.tensor(list(qsl), dtype=torch.int64),
+        chunk_indices=dev64[2 * n + 1 :].view(-1, 2),
+        any_init=any(has_init),
+    )
+
+
+def _fla_causal_conv1d() -> Callable:
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    return causal_conv1d
+
+
+def short_conv_prefill_fla(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    step: ConvStep,
+    conv1d: Callable | None = None,
+) -> torch.Tensor:
+    """y = SiLU(causal depthwise conv) of a varlen batch from each slot's window, and the windows updated —
+    the plain contract of ``short_conv_update``. x [T, C] (unit stride on C; a column view is fine), weight
+    [C, W], conv_state [slots, C, S >= W-1]. ``conv1d``: fla's ``causal_conv1d`` (tests may pass its contract)."""
+    from kernels.short_conv.triton import write_windows
+
+    if x.ndim != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1], weight.shape[1]):
+        raise ValueError(f"x [T, C] with a unit stride on C and weight [C, W]; got {x.shape}, {weight.shape}")
+    n, c, w = step.slots.numel(), x.shape[1], weight.shape[1]
+    init = None
+    if step.any_init:  # fla's layout: [N, C, W], the window in columns 1..W-1; zeros for a first chunk
+        init = conv_state.new_zeros(n, c, w)
+        old = conv_state.index_select(0, step.slots_long)[:, :, : w - 1]
+        init[:, :, 1:] = torch.where(step.has_init.bool()[:, None, None], old, 0)  # a fresh slot may hold junk
+    fn = conv1d or _fla_causal_conv1d()
+    y, _ = fn(
+        x[None],
+        weight,
+        initial_state=init,
+        activation="silu",
+        cu_seqlens=step.cu,
+        cu_seqlens_cpu=step.cu_cpu,
+        chunk_indices=step.chunk_indices,
+    )
+    write_windows(x, weight, conv_state, step.slots, step.qsl, step.has_init)
+    return y[0]
+
+
+__all__ = ["FLA_TILE", "ConvStep", "conv_step", "short_conv_prefill_fla"]
