@@ -24,7 +24,7 @@ class Backends:
 
 
 def select_backends(device: torch.device) -> Backends:
-    """The fast GPU backends (engine/backends/gpu.py) on CUDA, the PyTorch reference elsewhere.
+    """The fast GPU backends (engine/backends/gpu.py, gpu_kda.py) on CUDA, the PyTorch reference elsewhere.
 
     ``TANDEM_BACKEND`` overrides: ``auto`` (default), ``torch`` (the reference everywhere, e.g. to bisect
     a GPU mismatch), ``gpu`` (insist on the GPU path: an error off CUDA), ``interpret`` (the GPU backends'

@@ -1,0 +1,267 @@
+"""GPU KDA backend: the slot-indexed Triton short conv (fla's causal_conv1d for long prefill chunks), fla-core's
+chunk_kda for prefill and its fused recurrent kernel for decode. Same interface and results as torch_ref.py.
+
+Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.backends.base import KDABackend
+from engine.backends.gpu_static import KDADecodeStep
+from engine.backends.per_step import PerStep
+from engine.forward_batch import ForwardBatch
+from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
+from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
+from kernels.short_conv.triton import short_conv_update
+from kernels.upload import upload
+
+logger = logging.getLogger(__name__)
+
+
+def _q_lens(batch: ForwardBatch) -> list[int]:
+    return [batch.q_len(i) for i in range(batch.num_seqs)]
+
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+KDA_CHUNK = 64  # fla's chunk size: chunk_kda's intermediate states sit every 64 tokens of a segment
+FLA_CONV_MIN_LEN = (
+    256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
+)
+
+
+class _Round:
+    """One chunk_kda launch: one segment of each of some sequences (segments of a sequence run in order)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []  # token rows of the segments, concatenated
+        self.slots: list[int] = []
+        self.cu: list[int] = [0]
+        self.copies: list[tuple[str, int, int]] = []  # ("final", seg index, dst) | ("h", chunk index, dst)
+        self.num_chunks = 0  # chunk_kda's chunk count so far (each segment starts a new chunk)
+
+    def add(self, rows: range, slot: int, cks: list[tuple[int, int]]) -> None:
+        """Add a segment; cks are (offset into the segment, dst slot), 0 < offset <= len, offset % 64 == 0
+        unless it is the segment's end."""
+        seg = len(self.slots)
+        for off, dst in cks:
+            if off == len(rows):
+                self.copies.append(("final", seg, dst))
+            else:
+                self.copies.append(("h", self.num_chunks + off // KDA_CHUNK, dst))
+        self.rows.extend(rows)
+        self.slots.append(slot)
+        self.cu.append(self.cu[-1] + len(rows))
+        self.num_chunks += -(-len(rows) // KDA_CHUNK)
+
+    @property
+    def needs_h(self) -> bool:
+        return any(kind == "h" for kind, _, _ in self.copies)
+
+
+class _KDAStep:
+    """Slot bookkeeping of one step for the KDA layers (built once, shared by all KDA layers)."""
+
+    def __init__(self, batch: ForwardBatch, device: torch.device, exact_checkpoints: bool) -> None:
+        n = batch.num_seqs
+        q_lens = _q_lens(batch)
+        slots, qsl = batch.state_slots, batch.query_start_loc
+        cks_all = batch.checkpoints if batch.checkpoints else [()] * n
+        ints = slots + qsl + [int(b) for b in batch.has_initial_state]
+        dev = upload(torch.tensor(ints, dtype=torch.int32), device)
+        self.slots, self.qsl, self.has_init = dev[:n], dev[n : 2 * n + 1], dev[2 * n + 1 :]
+        self.max_q_len = max(q_lens, default=0)
+        fresh = [s for s, init in zip(slots, batch.has_initial_state, strict=True) if not init]
+        self.fresh = upload(torch.tensor(fresh, dtype=torch.int64), device) if fresh else None
+
+        # conv checkpoints: (row start, tokens of the chunk before the rung, slot, has_init, dst)
+        self.conv_cks = [
+            (qsl[i], pos - (batch.context_lens[i] - q_lens[i]), slots[i], batch.has_initial_state[i], dst)
+            for i in range(n)
+            for pos, dst in cks_all[i]
+        ]
+        dec = [i for i in range(n) if q_lens[i] == 1]
+        pre = [i for i in range(n) if q_lens[i] != 1]
+        self.all_decode = not pre
+        self.dec_slots = self.dec_rows = None
+        self.dec_copies = [(slots[i], dst) for i in dec for _, dst in cks_all[i]]  # a one-token chunk's rung is its end
+        if dec:
+            self.dec_slots = upload(torch.tensor([slots[i] for i in dec], dtype=torch.int64), device)
+            if pre:
+                self.dec_rows = upload(torch.tensor([qsl[i] for i in dec], dtype=torch.int64), device)
+
+        # prefill: cut each chunk into segments at rungs that chunk_kda's intermediate states cannot give
+        # (not a multiple of 64 tokens into the current segment, or every rung when exact_checkpoints);
+        # segment j of every sequence goes into round j.
+        rounds: list[_Round] = []
+        self.pre_copies: list[tuple[int, int]] = []  # (slot, dst): rung at the chunk start (initial state)
+        for i in pre:
+            start = batch.context_lens[i] - q_lens[i]
+            seg_start, seg_cks, segs = 0, [], []
+            for pos, dst in sorted(cks_all[i]):
+                off = pos - start
+                if off == seg_start:
+                    if not segs:
+                        self.pre_copies.append((slots[i], dst))
+                    else:
+                        segs[-1][1].append((segs[-1][0].stop - segs[-1][0].start, dst))
+                    continue
+                if exact_checkpoints or (off - seg_start) % KDA_CHUNK:
+                    segs.append((range(qsl[i] + seg_start, qsl[i] + off), [*seg_cks, (off - seg_start, dst)]))
+                    seg_start, seg_cks = off, []
+                else:
+                    seg_cks.append((off - seg_start, dst))
+            if seg_start < q_lens[i] or not segs:
+                segs.append((range(qsl[i] + seg_start, qsl[i] + q_lens[i]), seg_cks))
+            for j, (rows, cks) in enumerate(segs):
+                if j == len(rounds):
+                    rounds.append(_Round())
+                rounds[j].add(rows, slots[i], cks)
+        self.rounds = [
+            (
+                upload(torch.tensor(r.rows, dtype=torch.int64), device),
+                upload(torch.tensor(r.slots, dtype=torch.int64), device),
+                r.cu,
+                r.copies,
+                r.needs_h,
+            )
+            for r in rounds
+        ]
+        self.rows_are_all = len(rounds) == 1 and not dec  # round 0 covers every row in order
+
+
+class GPUKDABackend(KDABackend):
+    """Short conv with the slot-indexed Triton kernel (fla's ``causal_conv1d`` for steps with a chunk of at
+    least ``FLA_CONV_MIN_LEN`` tokens: 2-3x faster there); the recurrence with fla-core.
+
+    Decode tokens (one per sequence) go through fla's fused recurrent kernel in place on the slot pool;
+    prefill chunks through ``chunk_fn`` (fla's ``chunk_kda`` by default) from gathered initial states, with
+    the final states scattered back. A request's first chunk starts from a zeroed slot.
+
+    Rung checkpoints (``batch.checkpoints``): the conv window is copied from x / the old window; the
+    recurrent state comes from chunk_kda's chunk-boundary states where the rung is a multiple of 64 tokens
+    into a segment, else the chunk is cut there (so at most two chunk_kda rounds per layer in practice).
+    The boundary states are in q/k's dtype: with a bf16 model the rung states are bf16-rounded (as vLLM's);
+    ``exact_checkpoints=True`` cuts at every rung instead (fp32 states, one round per rung).
+
+    ``chunk_fn`` has the signature of ``kernels.kda.fla_adapter.chunk_kda_varlen`` (tests inject a reference).
+    """
+
+    def __init__(self, chunk_fn: ChunkFn | None = None, exact_checkpoints: bool = False) -> None:
+        self.chunk_fn = chunk_fn or chunk_kda_varlen
+        self.exact_checkpoints = exact_checkpoints
+        self._step = PerStep()
+        self._fused_gate: Callable | None = None  # fla's, looked up on the first CUDA call (not per layer)
+        self._fla_conv_failed = False
+
+    def gate(self, g_raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """fla's fused gate kernel (one launch instead of six elementwise ones) on CUDA."""
+        if g_raw.is_cuda and self._fused_gate is None and fla_available():
+            from fla.ops.kda.gate import fused_kda_gate
+
+            self._fused_gate = fused_kda_gate
+        if not g_raw.is_cuda or self._fused_gate is None:
+            return super().gate(g_raw, a_log, dt_bias, head_dim)
+        g = g_raw.unflatten(-1, (-1, head_dim))
+        return self._fused_gate(g, a_log.reshape(-1), dt_bias, output_dtype=torch.float32)
+
+    def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep | KDADecodeStep:
+        if batch.decode_meta is not None:
+            return self._step.get(batch, "kda", lambda: KDADecodeStep(batch.decode_meta))
+        return self._step.get(batch, "kda", lambda: _KDAStep(batch, device, self.exact_checkpoints))
+
+    def short_conv(
+        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        m = self._meta(batch, x.device)
+        w1 = weight.shape[1] - 1
+        for row0, off, slot, has_init, dst in m.conv_cks:  # before the kernel updates the windows in place
+            # the window after `off` tokens of this chunk: the last W-1 columns of [old window | x[:off]^T]
+            if off >= w1:
+                conv_cache[dst, :, :w1] = x[row0 + off - w1 : row0 + off].t()
+            else:
+                prev = conv_cache[slot, :, off:w1] if has_init else conv_cache.new_zeros(x.shape[1], w1 - off)
+                conv_cache[dst, :, :w1] = torch.cat([prev, x[row0 : row0 + off].t().to(conv_cache.dtype)], dim=-1)
+        x = x if x.stride(1) == 1 else x.contiguous()  # the q|k|v column view runs as is: no copy
+        if self._fla_conv_fits(x, batch, m):
+            try:
+                step = self._step.get(
+                    batch,
+                    "conv_fla",
+                    lambda: conv_step(batch.state_slots, batch.query_start_loc, batch.has_initial_state, x.device),
+                )
+                return short_conv_prefill_fla(x, weight.contiguous(), conv_cache, step)
+            except Exception as err:  # e.g. an fla build that refuses this GPU: the slot kernel, for good
+                self._fla_conv_failed = True
+                logger.warning("fla causal_conv1d failed (%s); prefill short conv uses the slot kernel", err)
+        return short_conv_update(x, weight.contiguous(), conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len)
+
+    def _fla_conv_fits(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep) -> bool:
+        """Long prefill chunks on CUDA (not decode / verify: those stay one graph-safe launch)."""
+        return (
+            x.is_cuda
+            and not self._fla_conv_failed
+            and isinstance(m, _KDAStep)
+            and m.max_q_len >= FLA_CONV_MIN_LEN
+            and min(batch.state_slots, default=0) >= 0
+            and fla_available()
+        )
+
+    def recurrence(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        m = self._meta(batch, q.device)
+        if m.fresh is not None:
+            state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
+        for slot, dst in m.pre_copies:
+            state_cache[dst] = state_cache[slot]
+        if m.all_decode:
+            out = fused_recurrent_kda_slots(q, k, v, g, beta, state_cache, m.dec_slots).float()
+            for slot, dst in m.dec_copies:
+                state_cache[dst] = state_cache[slot]
+            return out
+        out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
+        if m.dec_rows is not None:
+            sel = (x[m.dec_rows] for x in (q, k, v, g, beta))
+            out[m.dec_rows] = fused_recurrent_kda_slots(*sel, state_cache, m.dec_slots).float()
+            for slot, dst in m.dec_copies:
+                state_cache[dst] = state_cache[slot]
+        for rows, slots, cu, copies, needs_h in m.rounds:
+            sel = (q, k, v, g, beta) if m.rows_are_all else (x[rows] for x in (q, k, v, g, beta))
+            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h)
+            state_cache[slots] = final.to(state_cache.dtype)
+            for kind, index, dst in copies:
+                state_cache[dst] = (final if kind == "final" else h)[index].to(state_cache.dtype)
+            if m.rows_are_all:
+                out.copy_(o)
+            else:
+                out[rows] = o.float()
+        return out
+
+
+def gpu_kda_backend() -> KDABackend:
+    """fla-core's KDA when importable, else the reference recurrence (correct, slow) with a warning."""
+    from kernels.kda.fla_adapter import fla_available
+
+    if fla_available():
+        return GPUKDABackend()
+    from engine.backends.torch_ref import TorchKDABackend
+
+    logger.warning(
+        "fla-core is not importable: KDA runs the PyTorch reference on the GPU (pip install fla-core==0.6.0)"
+    )
+    return TorchKDABackend()
+
+
+__all__ = ["GPUKDABackend", "gpu_kda_backend"]
