@@ -18,6 +18,9 @@ Receivers, in this process, interleaved repeat by repeat so they see the same lo
 - gRPC, transport only: the same stream as raw message bytes, nothing parsed (the floor under that path).
 - gRPC, transport only, sync API: the same with grpc's blocking API, each stream drained on a thread of
   its own (whether the asyncio receive path is what limits the transport).
+- socket lanes, decode worker path: the same pull with ``socket_lanes`` (decode ``--handoff-transport socket``):
+  the Prefill stream carries the control messages, every kv / state message goes over ``lanes`` sockets of
+  the sender's socket data plane (engine/kv_transfer/socket_lanes.py: the real server, the real client).
 
 With ``--lanes``, each gRPC path also runs with the handoff dealt over that many streams (the Prefill stream +
 PullLane, engine/kv_transfer/lanes.py), each on its own connection, as a decode worker started with
@@ -48,6 +51,7 @@ from bench.handoff_io import (
     MIB,
     RAW,
     SEED,
+    SOCKET,
     TRANSPORT,
     TRANSPORT_SYNC,
     GrpcReceiver,
@@ -93,18 +97,23 @@ async def _bench_async(
     for m in sizes:
         for lanes in lanes_list:
             await rx.receive(m, "prepare", "prepare", lanes)
-            await rx.receive(m, "warm-up", DECODE, lanes)
-            if not hd.same_contents(expected, rx.cache, num_tokens, rx.page_ids):
-                raise RuntimeError(f"{m} B messages, {lanes} lanes: the received cache differs from the sender's")
+            await rx.receive(m, "prepare", "prepare socket", lanes)
+            for mode in (DECODE, SOCKET):
+                for pool in (*rx.cache.kv.values(), *rx.cache.recurrent.values(), *rx.cache.conv.values()):
+                    pool.zero_()
+                await rx.receive(m, f"warm-up {mode}", mode, lanes)
+                if not hd.same_contents(expected, rx.cache, num_tokens, rx.page_ids):
+                    raise RuntimeError(f"{mode}, {m} B messages, {lanes} lanes: the received cache differs")
             samples: dict[str, list[Sample]] = {
                 RAW: [],
                 DECODE: [],
                 TRANSPORT: [],
                 TRANSPORT_SYNC: [],
+                SOCKET: [],
             }
             for i in range(repeats):
                 samples[RAW].append(raw_receive(socks[:lanes], buf, raw_pid))
-                for mode in (DECODE, TRANSPORT, TRANSPORT_SYNC):
+                for mode in (DECODE, TRANSPORT, TRANSPORT_SYNC, SOCKET):
                     samples[mode].append(await rx.receive(m, f"r{i}", mode, lanes))
             for k, v in samples.items():
                 out[(m, lanes, k)] = _summary(v, total)
@@ -235,7 +244,7 @@ def run_handoff_bench(
     for m in sizes:
         raw = res[(m, 1, RAW)]
         for lanes in lanes_list:
-            for k in (RAW, DECODE, TRANSPORT, TRANSPORT_SYNC):
+            for k in (RAW, DECODE, TRANSPORT, TRANSPORT_SYNC, SOCKET):
                 r = res[(m, lanes, k)]
                 ratio = "-" if (k, lanes) == (RAW, 1) else f"{100 * r['median_gbps'] / raw['median_gbps']:.0f} %"
                 what = message_sizes(n, m) if (k, lanes) == (RAW, lanes_list[0]) else ""

@@ -28,6 +28,7 @@ MIB = 1 << 20
 SEED = 0
 RAW, DECODE, TRANSPORT = "raw TCP", "gRPC, decode worker path", "gRPC, transport only"
 TRANSPORT_SYNC = "gRPC, transport only, sync API, a thread per stream"
+SOCKET = "socket lanes, decode worker path"
 
 
 # ---- senders (separate processes) ----------------------------------------------------------------
@@ -68,15 +69,44 @@ def _grpc_sender(port_q, num_tokens: int) -> None:
 async def _grpc_serve(port_q, num_tokens: int) -> None:
     import grpc
 
+    from engine.kv_transfer.lanes import MAX_LANES, HandoffLanes
+    from engine.kv_transfer.socket_lanes import serve_socket_lanes
+    from engine.kv_transfer.wire import StreamCount
+    from tandem.rpc import prefill_pb2 as pb
     from tandem.rpc import prefill_pb2_grpc
 
     cfg = hd.bench_config()
     cache = hd.make_cache(cfg, -(-num_tokens // hd.PAGE_SIZE), SEED)
+    registry = HandoffLanes(MAX_LANES, ttl_s=600)  # the socket data plane, as a prefill worker runs it
+    data_server = await serve_socket_lanes(registry, "127.0.0.1", 0)
+    data_endpoint = f"127.0.0.1:{data_server.sockets[0].getsockname()[1]}"
 
     class Servicer(prefill_pb2_grpc.PrefillServicer):
-        key, streams = None, []
+        key, streams, msgs = None, [], {}
 
         async def Prefill(self, request, context):
+            if request.socket_lanes:  # every kv / state message to socket lanes 1..; control stays here
+                m = request.max_message_bytes
+                if m not in self.msgs:
+                    self.msgs = {m: hd.produce(cfg, cache, num_tokens, m)}
+                if request.request_id == "prepare":
+                    return
+                msgs, lanes, count = self.msgs[m], max(2, request.lanes), StreamCount()
+                deliver = registry.open(request.request_id, lanes, lambda c: None, skip_lane0=True)
+                header = pb.HandoffChunk()
+                header.CopyFrom(msgs[0])
+                header.header.lanes, header.header.data_endpoint = lanes, data_endpoint
+                yield count.sent(header)
+                for m in msgs[1:-1]:
+                    if isinstance(m, EncodedChunk):
+                        deliver(m)
+                await asyncio.sleep(0)  # the dealer's hops onto this loop run before the lanes' end
+                registry.end(request.request_id)
+                for m in msgs[1:-1]:
+                    if not isinstance(m, EncodedChunk):
+                        yield count.sent(m)
+                yield count.end()
+                return
             key = (request.max_message_bytes, max(1, request.lanes))
             if key != self.key:  # built outside the receiver's clock: it sends "prepare" first
                 self.streams = []
@@ -220,7 +250,9 @@ class GrpcReceiver:
 
     async def receive(self, max_bytes: int, rid: str, mode: str, lanes: int = 1) -> Sample:
         req = self.pb.PrefillRequest(request_id=rid, max_message_bytes=max_bytes, lanes=lanes)
-        if mode == "prepare":
+        if mode in (SOCKET, "prepare socket"):  # `lanes` data sockets beside the Prefill stream
+            req.lanes, req.socket_lanes = lanes + 1, True
+        if mode.startswith("prepare"):
             async for _ in self.transport(req):
                 pass
             return Sample(0, 0, 0, 0)
@@ -241,8 +273,8 @@ class GrpcReceiver:
                 await asyncio.gather(
                     drain(self.transport(req)), *[drain(self.lane_transport(r.lane)(r)) for r in lane_reqs]
                 )
-            else:  # exactly the decode worker's pull (DecodeService._pull)
-                consumer = hd.consumer_for(self.cfg, self.cache, self.n, self.page_ids, lanes)
+            else:  # exactly the decode worker's pull (DecodeService._pull), over gRPC or socket lanes
+                consumer = hd.consumer_for(self.cfg, self.cache, self.n, self.page_ids, max(1, req.lanes))
                 await pull_handoff(self.call(req), consumer, None, rid, None, self.lane_call)
         return c.sample
 

@@ -25,7 +25,19 @@ class DecodeConfig:
     """Data streams to pull each handoff over, each on its own connection (engine/kv_transfer/lanes.py);
     the prefill worker may grant fewer."""
 
+    handoff_transport: str = "grpc"
+    """Where lanes 1.. are pulled: "grpc" (PullLane) or "socket" (the prefill worker's socket data plane,
+    engine/kv_transfer/socket_lanes.py: every kv / state message on them, at least one lane; a worker without
+    one answers with gRPC lanes)."""
+
     def __post_init__(self) -> None:
         self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching)
         if not 1 <= self.handoff_lanes <= MAX_LANES:
             raise ValueError(f"handoff_lanes={self.handoff_lanes} must be in [1, {MAX_LANES}]")
+        if self.handoff_transport not in ("grpc", "socket"):
+            raise ValueError(f"handoff_transport={self.handoff_transport!r} must be 'grpc' or 'socket'")
+
+    @property
+    def lanes_to_ask(self) -> int:
+        """Socket lanes carry all the data, so they need one besides the Prefill stream."""
+        return max(self.handoff_lanes, 2) if self.handoff_transport == "socket" else self.handoff_lanes

@@ -18,6 +18,7 @@ import grpc
 
 from engine.kv_transfer.codec import HandoffError
 from engine.kv_transfer.consumer import HandoffConsumer, HandoffResult
+from engine.kv_transfer.socket_lanes import SocketLaneFailed, pull_socket_lane
 from tandem.rpc import prefill_pb2 as pb
 
 StageCall = Callable[[str], grpc.aio.UnaryStreamMultiCallable]
@@ -28,9 +29,17 @@ LaneCall = Callable[[int], grpc.aio.UnaryStreamMultiCallable]
 class StageStreamFailed(Exception):
     """A prefill stage's stream or a lane broke (the process died, or it aborted the request)."""
 
-    def __init__(self, what: str, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{what}: {error.code().name}: {error.details()}")
-        self.code = error.code()
+    def __init__(self, what: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{what}: {code.name}: {details}")
+        self.code = code
+
+    @classmethod
+    def of_rpc(cls, what: str, error: grpc.aio.AioRpcError) -> StageStreamFailed:
+        return cls(what, error.code(), error.details() or "")
+
+    @classmethod
+    def of_socket(cls, error: SocketLaneFailed) -> StageStreamFailed:
+        return cls(error.what, grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.UNAVAILABLE), error.details)
 
 
 async def pull_handoff(
@@ -56,7 +65,7 @@ async def pull_handoff(
             scall.cancel()
             raise
         except grpc.aio.AioRpcError as e:
-            failed.append(StageStreamFailed(what, e))
+            failed.append(StageStreamFailed.of_rpc(what, e))
             call.cancel()
             raise failed[-1] from None
         except BaseException as e:
@@ -64,17 +73,40 @@ async def pull_handoff(
             call.cancel()  # the prefill stream waits for nothing now
             raise
 
+    async def pull_socket(lane: int) -> HandoffResult | None:
+        """Lane ``lane`` on the producer's socket data plane (engine/kv_transfer/socket_lanes.py)."""
+        what = f"socket lane {lane}"
+        try:
+            pull = pull_socket_lane(consumer.data_endpoint, rid, lane, partial(consumer.accept_lane, lane))
+            result = await (asyncio.wait_for(pull, timeout) if timeout else pull)
+            if not consumer.lane_ended(lane):
+                raise HandoffError(f"{what} ended without an end marker")
+            return result
+        except SocketLaneFailed as e:
+            failed.append(StageStreamFailed.of_socket(e))
+        except TimeoutError:
+            failed.append(StageStreamFailed(what, grpc.StatusCode.DEADLINE_EXCEEDED, "the handoff's deadline passed"))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            failed.append(e)
+            call.cancel()
+            raise
+        call.cancel()  # the prefill stream waits for nothing now
+        raise failed[-1]
+
     def side_streams() -> list[asyncio.Task]:
-        if consumer.lanes > 1 and lane_call is None:
+        on_sockets = bool(consumer.data_endpoint)
+        if consumer.lanes > 1 and not on_sockets and lane_call is None:
             raise HandoffError(f"the producer dealt the handoff over {consumer.lanes} lanes; none were asked for")
-        out = []
+        out = [pull_socket(lane) for lane in range(1, consumer.lanes)] if on_sockets else []
         for s in consumer.stage_streams:
             scall = stage_call(s.endpoint)(pb.StagePullRequest(request_id=rid, stage=s.stage), timeout=timeout)
             what = f"prefill stage {s.stage} at {s.endpoint}"
             out.append(
                 pull_side(scall, what, partial(consumer.accept_stage, s.stage), partial(consumer.stream_ended, s.stage))
             )
-        for lane in range(1, consumer.lanes):
+        for lane in range(1, 1 if on_sockets else consumer.lanes):
             lcall = lane_call(lane)(pb.LanePullRequest(request_id=rid, lane=lane), timeout=timeout)
             out.append(
                 pull_side(

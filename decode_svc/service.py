@@ -189,7 +189,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         prefill_req.consumer_fingerprint.CopyFrom(fingerprint_to_pb(self.fingerprint))
         prefill_req.ClearField("aux_layer_ids")
         prefill_req.aux_layer_ids.extend(self._drafter_taps())  # so the first decode step already drafts
-        prefill_req.lanes = self.config.handoff_lanes
+        prefill_req.lanes = self.config.lanes_to_ask
+        prefill_req.socket_lanes = self.config.handoff_transport == "socket"
         cache, page_ids, slot_ids = self.engine.import_target(res)  # a parallel engine stages and reslices
         consumer = HandoffConsumer(
             self.engine.model_config,
@@ -198,7 +199,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             len(prefill_req.prompt_token_ids),
             page_ids,
             slot_ids,
-            max_lanes=self.config.handoff_lanes,
+            max_lanes=self.config.lanes_to_ask,
         )
         remaining = context.time_remaining()
         self.metrics.live_transfers.inc()

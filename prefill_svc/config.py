@@ -28,6 +28,9 @@ class PrefillConfig:
     """Most data streams one handoff may be pulled over (PrefillRequest.lanes asks; the header grants)."""
     lane_ttl_s: float = 60.0
     """How long a finished handoff's lanes wait to be pulled before their messages are dropped."""
+    data_port: int | None = None
+    """Serve socket lanes (engine/kv_transfer/socket_lanes.py) on this port of ``host`` (0: any free one) for
+    consumers that ask for them; None: gRPC lanes only."""
 
     def __post_init__(self) -> None:
         if self.speculative.enabled:
@@ -42,3 +45,5 @@ class PrefillConfig:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be in (0, 16 MiB]")
         if not 1 <= self.max_handoff_lanes <= MAX_LANES:
             raise ValueError(f"max_handoff_lanes={self.max_handoff_lanes} must be in [1, {MAX_LANES}]")
+        if self.data_port is not None and not 0 <= self.data_port < 65536:
+            raise ValueError(f"data_port={self.data_port} must be in [0, 65536)")

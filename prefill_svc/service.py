@@ -19,6 +19,7 @@ from engine.kv_transfer.codec import tensor_pieces
 from engine.kv_transfer.consumer import fingerprint_from_pb, fingerprint_to_pb
 from engine.kv_transfer.lanes import HandoffLanes, LaneRefused
 from engine.kv_transfer.producer import HandoffProducer
+from engine.kv_transfer.socket_lanes import serve_socket_lanes
 from engine.kv_transfer.wire import EncodedChunk, StreamCount, encode_chunk
 from engine.llm_engine import RequestOutput
 from kvstore.store import PrefixStore
@@ -42,6 +43,11 @@ def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int) -> 
     ]
     for piece, data in tensor_pieces(torch.cat(rows), max_bytes):
         yield encode_chunk(pb.HandoffChunk(aux_hidden=pb.AuxHidden(layer_ids=list(want), tensor=piece)), data)
+
+
+def _endpoint(host: str, server: asyncio.Server) -> str:
+    port = server.sockets[0].getsockname()[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -71,6 +77,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self._outstanding_tokens = 0
         self.lanes = HandoffLanes(config.max_handoff_lanes, config.lane_ttl_s)
         metrics.lanes_held.set_function(lambda: self.lanes.live)
+        self._data_server: asyncio.Server | None = None
+        self._data_lock = asyncio.Lock()
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
         return cpb.WorkerInfo(
@@ -93,6 +101,23 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     pb.StageStream(stage=s.stage, endpoint=s.endpoint, layers=s.layers) for s in found
                 ]
             return self._stage_streams
+
+    async def _data_endpoint(self) -> str:
+        """host:port of the socket data plane, started on the first request that asks for socket lanes;
+        "" when this worker runs none (``data_port`` None)."""
+        if self.config.data_port is None:
+            return ""
+        async with self._data_lock:
+            if self._data_server is None:
+                self._data_server = await serve_socket_lanes(
+                    self.lanes, self.config.host, self.config.data_port, self._socket_lane_done
+                )
+                logger.info("socket lanes on %s", _endpoint(self.config.host, self._data_server))
+            return _endpoint(self.config.host, self._data_server)
+
+    def _socket_lane_done(self, outcome: str, payload: int) -> None:
+        self.metrics.transfer_bytes.inc(payload)
+        self.metrics.lane_streams.labels("socket", outcome).inc()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -119,9 +144,11 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         max_bytes = min(request.max_message_bytes or self.config.max_message_bytes, self.config.max_message_bytes)
 
+        data_endpoint = await self._data_endpoint() if request.socket_lanes else ""
+        lanes = self.lanes.grant(max(request.lanes, 2) if data_endpoint else request.lanes)
+        data_endpoint = data_endpoint if lanes > 1 else ""  # a worker that grants one lane keeps the data
         q = self.aengine.open_stream(rid)
-        lanes = self.lanes.grant(request.lanes)
-        deliver = self.lanes.open(rid, lanes, lambda chunk: self.aengine.deliver(rid, chunk))
+        deliver = self.lanes.open(rid, lanes, lambda chunk: self.aengine.deliver(rid, chunk), bool(data_endpoint))
         self.producer.register(rid, deliver, max_bytes)
         self._outstanding_tokens += len(prompt)
         self.metrics.live_transfers.inc()
@@ -139,6 +166,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     kda_layers=list(cfg.kda_layers),
                     stage_streams=await self._stages(),
                     lanes=lanes,
+                    data_endpoint=data_endpoint,
                 )
             )
             yield count.sent(header)
@@ -207,4 +235,4 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             await context.abort(e.code, str(e))
         finally:
             self.metrics.transfer_bytes.inc(count.payload)
-            self.metrics.lane_streams.labels(outcome).inc()
+            self.metrics.lane_streams.labels("grpc", outcome).inc()

@@ -145,6 +145,18 @@ def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
         default=None,
         help="decode: streams to pull each handoff over (default 1); prefill: the most it grants (default 8)",
     )
+    p.add_argument(
+        "--handoff-transport",
+        choices=("grpc", "socket"),
+        default="grpc",
+        help="decode: pull lanes over gRPC or over the prefill worker's socket data plane",
+    )
+    p.add_argument(
+        "--handoff-data-port",
+        type=int,
+        default=None,
+        help="prefill: serve socket lanes on this port (0: any free one; default: none)",
+    )
 
 
 def _prefix_store(a: argparse.Namespace):
@@ -174,6 +186,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         a.drain_seconds,
         _prefix_store(a),
         max_handoff_lanes=a.handoff_lanes or PrefillConfig.max_handoff_lanes,
+        data_port=a.handoff_data_port,
     )
     run(config)
     return 0
@@ -196,6 +209,7 @@ def cmd_decode(a: argparse.Namespace) -> int:
             a.drain_seconds,
             _prefix_store(a),
             handoff_lanes=a.handoff_lanes or DecodeConfig.handoff_lanes,
+            handoff_transport=a.handoff_transport,
         )
     )
     return 0

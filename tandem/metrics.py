@@ -25,7 +25,10 @@ class WorkerMetrics:
         )
         self.live_transfers = Gauge(f"{p}_live_transfers", "Handoffs in progress", registry=r)
         self.lane_streams = Counter(
-            f"{p}_lane_streams", "Handoff lanes served (PullLane) by outcome", ["outcome"], registry=r
+            f"{p}_lane_streams",
+            "Handoff lanes served by transport (grpc: PullLane, socket: the data plane) and outcome",
+            ["transport", "outcome"],
+            registry=r,
         )
         self.lanes_held = Gauge(f"{p}_handoffs_with_lanes", "Handoffs whose lanes are held for pulling", registry=r)
         self.pages_in_use = Gauge(f"{p}_pages_in_use", "KV pages allocated", registry=r)

@@ -106,6 +106,8 @@ class HandoffConsumer:
         """Lanes 1.. of the prefill stream's share (announced in the header): lane -> its stream's tally."""
         self._cur = self._main  # the stream whose message is being taken
         self.stage_streams: list[pb.StageStream] = []
+        self.data_endpoint = ""
+        """Where lanes 1.. are pulled when the producer serves them on sockets (header.data_endpoint)."""
         self.num_kv_parts = 0
         self._aux: dict[int, torch.Tensor] | None = None
 
@@ -251,7 +253,10 @@ class HandoffConsumer:
         self.stage_streams = list(h.stage_streams)
         if h.lanes > self.max_lanes:
             raise HandoffError(f"header announces {h.lanes} lanes; this consumer asked for at most {self.max_lanes}")
+        if h.data_endpoint and h.lanes < 2:
+            raise HandoffError(f"header names a socket data plane ({h.data_endpoint}) but no lane to pull from it")
         self._lanes = {i: _Tally() for i in range(1, h.lanes)}
+        self.data_endpoint = h.data_endpoint
         self._header = True
 
     def _on_kv(self, part: pb.KVPagePart, data: memoryview | None) -> None:

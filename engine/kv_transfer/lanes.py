@@ -1,4 +1,5 @@
-"""Handoff lanes (producer side): one handoff's kv / state messages dealt over several gRPC streams.
+"""Handoff lanes (producer side): one handoff's kv / state messages dealt over several streams (gRPC PullLane
+streams, or sockets: engine/kv_transfer/socket_lanes.py).
 
 One TCP flow is often what limits a long transfer over a real network; lanes give a handoff several. (On
 loopback they did not speed up one receiving process: gRPC's Python receive path is the limit there, see
@@ -58,14 +59,23 @@ class _LaneSet:
 
 class Dealer:
     """The producer's delivery callback for one request (called from one thread: the engine's, or the
-    producer's encoder): message k goes to lane k % n."""
+    producer's encoder): message k goes to lane k % n, or with ``skip_lane0`` (socket lanes: the Prefill
+    stream keeps the control messages) to lane 1 + k % (n - 1)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, lane0: Callable[[EncodedChunk], None], queues: list) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        lane0: Callable[[EncodedChunk], None],
+        queues: list,
+        skip_lane0: bool = False,
+    ) -> None:
         self.loop, self.lane0, self.queues = loop, lane0, queues
-        self.next = 0
+        self.first = 1 if skip_lane0 else 0
+        self.next = self.first
 
     def __call__(self, chunk: EncodedChunk) -> None:
-        i, self.next = self.next, (self.next + 1) % (len(self.queues) + 1)
+        i = self.next
+        self.next = self.first if i >= len(self.queues) else i + 1
         if i == 0:
             self.lane0(chunk)
         else:  # the same thread-safe hop as lane 0's: FIFO with the request's final output
@@ -83,13 +93,18 @@ class HandoffLanes:
     def grant(self, requested: int) -> int:
         return max(1, min(requested, self.max_lanes))
 
-    def open(self, rid: str, lanes: int, lane0: Callable[[EncodedChunk], None]) -> Callable[[EncodedChunk], None]:
-        """Register the request's lanes; returns the delivery callback for the producer."""
+    def open(
+        self, rid: str, lanes: int, lane0: Callable[[EncodedChunk], None], skip_lane0: bool = False
+    ) -> Callable[[EncodedChunk], None]:
+        """Register the request's lanes; returns the delivery callback for the producer. ``skip_lane0``:
+        every message to lanes 1.. (socket lanes; needs lanes >= 2)."""
         if lanes <= 1:
+            if skip_lane0:
+                raise ValueError("skip_lane0 needs a lane besides the Prefill stream")
             return lane0
         queues = [asyncio.Queue() for _ in range(lanes - 1)]
         self._sets[rid] = _LaneSet(queues)
-        return Dealer(asyncio.get_running_loop(), lane0, queues)
+        return Dealer(asyncio.get_running_loop(), lane0, queues, skip_lane0)
 
     def end(self, rid: str) -> None:
         """The prefill finished and every message was dealt (the engine's final output came after them)."""

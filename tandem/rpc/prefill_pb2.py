@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tandem.rpc import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\"3\n\x0fLanePullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04lane\x18\x02 \x01(\r\"5\n\x10StagePullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\">\n\x0bStageStream\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06layers\x18\x03 \x03(\r\"\xa7\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x34\n\x14\x63onsumer_fingerprint\x18\x04 \x01(\x0b\x32\x16.tandem.v1.Fingerprint\x12\x31\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.tandem.v1.SpeculativeParams\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x15\n\raux_layer_ids\x18\x08 \x03(\x05\x12\r\n\x05lanes\x18\t \x01(\r\"\xc1\x02\n\x0cHandoffChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.tandem.v1.HandoffHeaderH\x00\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x15.tandem.v1.KVPagePartH\x00\x12%\n\x05state\x18\x03 \x01(\x0b\x32\x14.tandem.v1.StatePartH\x00\x12.\n\x0c\x62lock_hashes\x18\x04 \x01(\x0b\x32\x16.tandem.v1.BlockHashesH\x00\x12,\n\x0b\x66irst_token\x18\x05 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12$\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x15.tandem.v1.HandoffEndH\x00\x12*\n\naux_hidden\x18\x07 \x01(\x0b\x32\x14.tandem.v1.AuxHiddenH\x00\x42\t\n\x07payload\"F\n\tAuxHidden\x12\x11\n\tlayer_ids\x18\x01 \x03(\x05\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.tandem.v1.TensorBytes\"\xdf\x01\n\rHandoffHeader\x12\x34\n\x14producer_fingerprint\x18\x01 \x01(\x0b\x32\x16.tandem.v1.Fingerprint\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x18\n\x10\x61ttention_layers\x18\x04 \x03(\r\x12\x12\n\nkda_layers\x18\x05 \x03(\r\x12-\n\rstage_streams\x18\x06 \x03(\x0b\x32\x16.tandem.v1.StageStream\x12\r\n\x05lanes\x18\x07 \x01(\r\"m\n\x0bTensorBytes\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"k\n\nKVPagePart\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\npage_index\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12&\n\x06tensor\x18\x04 \x01(\x0b\x32\x16.tandem.v1.TensorBytes\"f\n\tStatePart\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.tandem.v1.StateKind\x12&\n\x06tensor\x18\x03 \x01(\x0b\x32\x16.tandem.v1.TensorBytes\"\x1d\n\x0b\x42lockHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"I\n\nFirstToken\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x13\n\x0bhas_logprob\x18\x02 \x01(\x08\"j\n\nHandoffEnd\x12\x14\n\x0cnum_messages\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cnum_kv_parts\x18\x03 \x01(\r\x12\x19\n\x11num_state_tensors\x18\x04 \x01(\r*@\n\tStateKind\x12\x1a\n\x16STATE_KIND_UNSPECIFIED\x10\x00\x12\r\n\tRECURRENT\x10\x01\x12\x08\n\x04\x43ONV\x10\x02\x32\xca\x01\n\x07Prefill\x12;\n\x04Info\x12\x1c.tandem.v1.WorkerInfoRequest\x1a\x15.tandem.v1.WorkerInfo\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.HandoffChunk0\x01\x12\x41\n\x08PullLane\x12\x1a.tandem.v1.LanePullRequest\x1a\x17.tandem.v1.HandoffChunk0\x01\x32N\n\x0cPrefillStage\x12>\n\x04Pull\x12\x1b.tandem.v1.StagePullRequest\x1a\x17.tandem.v1.HandoffChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\ttandem.v1\x1a\x0c\x63ommon.proto\"3\n\x0fLanePullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04lane\x18\x02 \x01(\r\"5\n\x10StagePullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\">\n\x0bStageStream\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06layers\x18\x03 \x03(\r\"\xbd\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x34\n\x14\x63onsumer_fingerprint\x18\x04 \x01(\x0b\x32\x16.tandem.v1.Fingerprint\x12\x31\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.tandem.v1.SpeculativeParams\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\r\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x15\n\raux_layer_ids\x18\x08 \x03(\x05\x12\r\n\x05lanes\x18\t \x01(\r\x12\x14\n\x0csocket_lanes\x18\n \x01(\x08\"\xc1\x02\n\x0cHandoffChunk\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.tandem.v1.HandoffHeaderH\x00\x12#\n\x02kv\x18\x02 \x01(\x0b\x32\x15.tandem.v1.KVPagePartH\x00\x12%\n\x05state\x18\x03 \x01(\x0b\x32\x14.tandem.v1.StatePartH\x00\x12.\n\x0c\x62lock_hashes\x18\x04 \x01(\x0b\x32\x16.tandem.v1.BlockHashesH\x00\x12,\n\x0b\x66irst_token\x18\x05 \x01(\x0b\x32\x15.tandem.v1.FirstTokenH\x00\x12$\n\x03\x65nd\x18\x06 \x01(\x0b\x32\x15.tandem.v1.HandoffEndH\x00\x12*\n\naux_hidden\x18\x07 \x01(\x0b\x32\x14.tandem.v1.AuxHiddenH\x00\x42\t\n\x07payload\"F\n\tAuxHidden\x12\x11\n\tlayer_ids\x18\x01 \x03(\x05\x12&\n\x06tensor\x18\x02 \x01(\x0b\x32\x16.tandem.v1.TensorBytes\"\xf6\x01\n\rHandoffHeader\x12\x34\n\x14producer_fingerprint\x18\x01 \x01(\x0b\x32\x16.tandem.v1.Fingerprint\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x18\n\x10\x61ttention_layers\x18\x04 \x03(\r\x12\x12\n\nkda_layers\x18\x05 \x03(\r\x12-\n\rstage_streams\x18\x06 \x03(\x0b\x32\x16.tandem.v1.StageStream\x12\r\n\x05lanes\x18\x07 \x01(\r\x12\x15\n\rdata_endpoint\x18\x08 \x01(\t\"m\n\x0bTensorBytes\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\"k\n\nKVPagePart\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\npage_index\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12&\n\x06tensor\x18\x04 \x01(\x0b\x32\x16.tandem.v1.TensorBytes\"f\n\tStatePart\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.tandem.v1.StateKind\x12&\n\x06tensor\x18\x03 \x01(\x0b\x32\x16.tandem.v1.TensorBytes\"\x1d\n\x0b\x42lockHashes\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"I\n\nFirstToken\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x13\n\x0bhas_logprob\x18\x02 \x01(\x08\"j\n\nHandoffEnd\x12\x14\n\x0cnum_messages\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x14\n\x0cnum_kv_parts\x18\x03 \x01(\r\x12\x19\n\x11num_state_tensors\x18\x04 \x01(\r*@\n\tStateKind\x12\x1a\n\x16STATE_KIND_UNSPECIFIED\x10\x00\x12\r\n\tRECURRENT\x10\x01\x12\x08\n\x04\x43ONV\x10\x02\x32\xca\x01\n\x07Prefill\x12;\n\x04Info\x12\x1c.tandem.v1.WorkerInfoRequest\x1a\x15.tandem.v1.WorkerInfo\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.HandoffChunk0\x01\x12\x41\n\x08PullLane\x12\x1a.tandem.v1.LanePullRequest\x1a\x17.tandem.v1.HandoffChunk0\x01\x32N\n\x0cPrefillStage\x12>\n\x04Pull\x12\x1b.tandem.v1.StagePullRequest\x1a\x17.tandem.v1.HandoffChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATEKIND']._serialized_start=1672
-  _globals['_STATEKIND']._serialized_end=1736
+  _globals['_STATEKIND']._serialized_start=1717
+  _globals['_STATEKIND']._serialized_end=1781
   _globals['_LANEPULLREQUEST']._serialized_start=42
   _globals['_LANEPULLREQUEST']._serialized_end=93
   _globals['_STAGEPULLREQUEST']._serialized_start=95
@@ -41,27 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGESTREAM']._serialized_start=150
   _globals['_STAGESTREAM']._serialized_end=212
   _globals['_PREFILLREQUEST']._serialized_start=215
-  _globals['_PREFILLREQUEST']._serialized_end=510
-  _globals['_HANDOFFCHUNK']._serialized_start=513
-  _globals['_HANDOFFCHUNK']._serialized_end=834
-  _globals['_AUXHIDDEN']._serialized_start=836
-  _globals['_AUXHIDDEN']._serialized_end=906
-  _globals['_HANDOFFHEADER']._serialized_start=909
-  _globals['_HANDOFFHEADER']._serialized_end=1132
-  _globals['_TENSORBYTES']._serialized_start=1134
-  _globals['_TENSORBYTES']._serialized_end=1243
-  _globals['_KVPAGEPART']._serialized_start=1245
-  _globals['_KVPAGEPART']._serialized_end=1352
-  _globals['_STATEPART']._serialized_start=1354
-  _globals['_STATEPART']._serialized_end=1456
-  _globals['_BLOCKHASHES']._serialized_start=1458
-  _globals['_BLOCKHASHES']._serialized_end=1487
-  _globals['_FIRSTTOKEN']._serialized_start=1489
-  _globals['_FIRSTTOKEN']._serialized_end=1562
-  _globals['_HANDOFFEND']._serialized_start=1564
-  _globals['_HANDOFFEND']._serialized_end=1670
-  _globals['_PREFILL']._serialized_start=1739
-  _globals['_PREFILL']._serialized_end=1941
-  _globals['_PREFILLSTAGE']._serialized_start=1943
-  _globals['_PREFILLSTAGE']._serialized_end=2021
+  _globals['_PREFILLREQUEST']._serialized_end=532
+  _globals['_HANDOFFCHUNK']._serialized_start=535
+  _globals['_HANDOFFCHUNK']._serialized_end=856
+  _globals['_AUXHIDDEN']._serialized_start=858
+  _globals['_AUXHIDDEN']._serialized_end=928
+  _globals['_HANDOFFHEADER']._serialized_start=931
+  _globals['_HANDOFFHEADER']._serialized_end=1177
+  _globals['_TENSORBYTES']._serialized_start=1179
+  _globals['_TENSORBYTES']._serialized_end=1288
+  _globals['_KVPAGEPART']._serialized_start=1290
+  _globals['_KVPAGEPART']._serialized_end=1397
+  _globals['_STATEPART']._serialized_start=1399
+  _globals['_STATEPART']._serialized_end=1501
+  _globals['_BLOCKHASHES']._serialized_start=1503
+  _globals['_BLOCKHASHES']._serialized_end=1532
+  _globals['_FIRSTTOKEN']._serialized_start=1534
+  _globals['_FIRSTTOKEN']._serialized_end=1607
+  _globals['_HANDOFFEND']._serialized_start=1609
+  _globals['_HANDOFFEND']._serialized_end=1715
+  _globals['_PREFILL']._serialized_start=1784
+  _globals['_PREFILL']._serialized_end=1986
+  _globals['_PREFILLSTAGE']._serialized_start=1988
+  _globals['_PREFILLSTAGE']._serialized_end=2066
 # @@protoc_insertion_point(module_scope)

@@ -44,7 +44,7 @@ class StageStream(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., endpoint: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt", "aux_layer_ids", "lanes")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "consumer_fingerprint", "speculative", "max_message_bytes", "cache_salt", "aux_layer_ids", "lanes", "socket_lanes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PrefillRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_LANES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -63,7 +64,8 @@ class PrefillRequest(_message.Message):
     cache_salt: str
     aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     lanes: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., lanes: _Optional[int] = ...) -> None: ...
+    socket_lanes: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., consumer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., cache_salt: _Optional[str] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ..., lanes: _Optional[int] = ..., socket_lanes: bool = ...) -> None: ...
 
 class HandoffChunk(_message.Message):
     __slots__ = ("header", "kv", "state", "block_hashes", "first_token", "end", "aux_hidden")
@@ -92,7 +94,7 @@ class AuxHidden(_message.Message):
     def __init__(self, layer_ids: _Optional[_Iterable[int]] = ..., tensor: _Optional[_Union[TensorBytes, _Mapping]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers", "stage_streams", "lanes")
+    __slots__ = ("producer_fingerprint", "num_prompt_tokens", "page_size", "attention_layers", "kda_layers", "stage_streams", "lanes", "data_endpoint")
     PRODUCER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,7 @@ class HandoffHeader(_message.Message):
     KDA_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STAGE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     producer_fingerprint: _common_pb2.Fingerprint
     num_prompt_tokens: int
     page_size: int
@@ -107,7 +110,8 @@ class HandoffHeader(_message.Message):
     kda_layers: _containers.RepeatedScalarFieldContainer[int]
     stage_streams: _containers.RepeatedCompositeFieldContainer[StageStream]
     lanes: int
-    def __init__(self, producer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., attention_layers: _Optional[_Iterable[int]] = ..., kda_layers: _Optional[_Iterable[int]] = ..., stage_streams: _Optional[_Iterable[_Union[StageStream, _Mapping]]] = ..., lanes: _Optional[int] = ...) -> None: ...
+    data_endpoint: str
+    def __init__(self, producer_fingerprint: _Optional[_Union[_common_pb2.Fingerprint, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., attention_layers: _Optional[_Iterable[int]] = ..., kda_layers: _Optional[_Iterable[int]] = ..., stage_streams: _Optional[_Iterable[_Union[StageStream, _Mapping]]] = ..., lanes: _Optional[int] = ..., data_endpoint: _Optional[str] = ...) -> None: ...
 
 class TensorBytes(_message.Message):
     __slots__ = ("dtype", "shape", "offset", "total_bytes", "data", "crc32")

@@ -1,6 +1,7 @@
-"""Handoffs pulled over lanes (engine/kv_transfer/lanes.py) between real processes: a decode worker that
-pulls each handoff over 3 streams is token-exact, a cancelled request leaves nothing held on either side
-(pages, slots, lanes), and a prefill worker killed mid-stream is an error within 2 s.
+"""Handoffs pulled over lanes (engine/kv_transfer/lanes.py) between real processes, over gRPC (PullLane) and over
+the prefill worker's socket data plane (engine/kv_transfer/socket_lanes.py): a decode worker that pulls each
+handoff over 3 streams is token-exact, a cancelled request leaves nothing held on either side (pages, slots,
+lanes), and a prefill worker killed mid-stream is an error within 2 s.
 
 The token-exact cluster's prefill worker also encodes on its producer's encoder thread, as on a GPU
 (``TANDEM_HANDOFF_ASYNC_COPIES=1``): messages leave from that thread and the step's output waits for them."""
@@ -23,21 +24,29 @@ from tests.e2e.test_pd_faults import _decode_request
 
 LANES = 3
 MAX_TOKENS = 16
+# transport -> (prefill worker's flags, decode worker's flags)
+TRANSPORTS = {
+    "grpc": ([], ["--handoff-lanes", str(LANES)]),
+    "socket": (["--handoff-data-port", "0"], ["--handoff-lanes", str(LANES), "--handoff-transport", "socket"]),
+}
 
 
-def _lanes_served(cluster: LocalCluster) -> float:
-    return scrape(cluster.worker("prefill").metrics_port).get('tandem_prefill_lane_streams_total{outcome="ok"}', 0.0)
+def _lanes_served(cluster: LocalCluster, transport: str) -> float:
+    key = f'tandem_prefill_lane_streams_total{{outcome="ok",transport="{transport}"}}'
+    return scrape(cluster.worker("prefill").metrics_port).get(key, 0.0)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def cluster(request, tiny_models, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("TANDEM_HANDOFF_ASYNC_COPIES", "1")  # the workers inherit it
+    prefill_flags, decode_flags = TRANSPORTS[request.param]
     c = LocalCluster(
         tiny_models["kimi_linear"],
-        [WorkerSpec("prefill"), WorkerSpec("decode", ["--handoff-lanes", str(LANES)])],
-        log_dir=tmp_path_factory.mktemp("logs-lanes"),
+        [WorkerSpec("prefill", prefill_flags), WorkerSpec("decode", decode_flags)],
+        log_dir=tmp_path_factory.mktemp(f"logs-lanes-{request.param}"),
     )
+    c.transport = request.param
     try:
         c.start()
     finally:
@@ -48,7 +57,7 @@ def cluster(tiny_models, tmp_path_factory):
 
 def test_concurrent_greedy_over_lanes_is_token_exact(cluster, tiny_models):
     prompts = random_prompts(16, [1, 5, 16, 17, 33, 64, 100, 150], seed=31)
-    before = _lanes_served(cluster)
+    before = {t: _lanes_served(cluster, t) for t in TRANSPORTS}
 
     async def run():
         client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
@@ -73,17 +82,21 @@ def test_concurrent_greedy_over_lanes_is_token_exact(cluster, tiny_models):
     want = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
     for p, r, w in zip(prompts, res, want, strict=True):
         assert r.choices[0].text == engine.tokenizer.decode(w.output_token_ids), f"prompt of {len(p)} tokens diverges"
-    assert _lanes_served(cluster) - before == 16 * (LANES - 1)  # every handoff went over all its lanes
+    other = "grpc" if cluster.transport == "socket" else "socket"
+    # every handoff went over all its lanes, on the transport asked for
+    assert _lanes_served(cluster, cluster.transport) - before[cluster.transport] == 16 * (LANES - 1)
+    assert _lanes_served(cluster, other) == before[other]
     ok, used, _ = wait_all_free(cluster, 2.0)
     assert ok, used
 
 
-@pytest.fixture
-def slow_prefill(tiny_models, tmp_path):
+@pytest.fixture(params=list(TRANSPORTS))
+def slow_prefill(request, tiny_models, tmp_path):
     # a small prefill budget makes the producer stream for a while
+    prefill_flags, decode_flags = TRANSPORTS[request.param]
     c = LocalCluster(
         tiny_models["kimi_linear"],
-        [WorkerSpec("prefill", ["--max-num-batched-tokens", "8"]), WorkerSpec("decode", ["--handoff-lanes", "3"])],
+        [WorkerSpec("prefill", ["--max-num-batched-tokens", "8", *prefill_flags]), WorkerSpec("decode", decode_flags)],
         log_dir=tmp_path / "logs",
     )
     c.start()

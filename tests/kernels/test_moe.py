@@ -64,9 +64,11 @@ def test_align_groups_pairs_by_expert():
         (1, 256, 8, None),
         (37, 20, 3, None),  # non-power-of-2 experts, a partial last block
         (50, 16, 4, 2),  # most pairs on two experts: long runs of equal ids inside and across blocks
+        (300, 64, 8, 3),  # 2,400 pairs: the by-expert kernel's loads span three 1,024-id blocks
     ],
 )
-def test_moe_align_triton_is_the_stable_sort(t, e, k, hot):
+@pytest.mark.parametrize("method", ["by-expert", "one-program"])
+def test_moe_align_triton_is_the_stable_sort(t, e, k, hot, method):
     g = torch.Generator().manual_seed(t + e)
     if hot is None:
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -74,7 +76,7 @@ def test_moe_align_triton_is_the_stable_sort(t, e, k, hot):
         ids = torch.randint(0, hot, (t, k), generator=g)
         ids[::5] = torch.randint(0, e, (len(ids[::5]), k), generator=g)
     ids = ids.to(DEVICE)
-    want, got = moe_align(ids, e), moe_align_triton(ids, e)
+    want, got = moe_align(ids, e), moe_align_triton(ids, e, method=method)
     assert got.offsets.tolist() == want.offsets.tolist()
     assert got.order.tolist() == want.order.tolist()
     assert got.token.tolist() == want.token.tolist()
