@@ -175,15 +175,17 @@ async def _pd_requests(cluster, model_name: str, lengths: list[int], repeats: in
 
 
 def pd_ttft(
-    model: Path, lengths: list[int], repeats: int, chunk: int, seed: int, log_dir: Path
+    model: Path, lengths: list[int], repeats: int, chunk: int, seed: int, log_dir: Path, transport: str = "grpc"
 ) -> dict[int, dict[str, float]]:
     from engine.model_config import load_model_config
     from tandem.cluster import LocalCluster, WorkerSpec
 
     args = ["--max-num-batched-tokens", str(chunk), "--cpu-threads", "1"]
-    cluster = LocalCluster(
-        model, [WorkerSpec("prefill", list(args)), WorkerSpec("decode", list(args))], log_dir=log_dir
-    )
+    p_args, d_args = list(args), list(args)
+    if transport == "socket":  # the handoff's kv / state on the prefill worker's socket data plane
+        p_args += ["--handoff-data-port", "0"]
+        d_args += ["--handoff-transport", "socket"]
+    cluster = LocalCluster(model, [WorkerSpec("prefill", p_args), WorkerSpec("decode", d_args)], log_dir=log_dir)
     t0 = time.perf_counter()
     cluster.start()
     print(f"  cluster up in {time.perf_counter() - t0:.1f} s (logs in {log_dir})", flush=True)
@@ -202,7 +204,13 @@ def _malloc_tuned() -> bool:
 
 
 def run_pd_ttft_bench(
-    lengths: list[int], archs: list[str], repeats: int = 3, chunk: int = 2048, seed: int = 0, root: Path | None = None
+    lengths: list[int],
+    archs: list[str],
+    repeats: int = 3,
+    chunk: int = 2048,
+    seed: int = 0,
+    root: Path | None = None,
+    transports: tuple[str, ...] = ("grpc",),
 ) -> dict:
     malloc = (
         "tuned (" + " ".join(f"{k}={v}" for k, v in TUNED_MALLOC_ENV.items()) + ")" if _malloc_tuned() else "default"
@@ -220,19 +228,20 @@ def run_pd_ttft_bench(
             model = prepare_model(arch, base)
             print(f"{arch}: model in {model}", flush=True)
             single = single_ttft(model, lengths, repeats, chunk, seed)
-            pd = pd_ttft(model, lengths, repeats, chunk, seed + 100, base / f"logs-{arch}")
-            results[arch] = {"single": single, "pd": pd}
+            results[arch] = {"single": single}
+            for t in transports:
+                results[arch][t] = pd_ttft(model, lengths, repeats, chunk, seed + 100, base / f"logs-{arch}-{t}", t)
 
     print(
-        "\n| model | prompt | single-process TTFT | P/D TTFT (first text chunk) | P/D / single | router headers "
-        "| P ttft (prefill) | D transfer (pull) | D ttft | handoff MB | P/D − P ttft |"
+        "\n| model | handoff | prompt | single-process TTFT | P/D TTFT (first text chunk) | P/D / single "
+        "| router headers | P ttft (prefill) | D transfer (pull) | D ttft | handoff MB | P/D − P ttft |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arch, r in results.items():
-        for n in lengths:
-            s, p = r["single"][n], r["pd"][n]
+        for t, n in ((t, n) for t in transports for n in lengths):
+            s, p = r["single"][n], r[t][n]
             print(
-                f"| {arch} | {n} | {1e3 * s:.0f} ms | {1e3 * p['ttft']:.0f} ms | {p['ttft'] / s:.2f}x "
+                f"| {arch} | {t} | {n} | {1e3 * s:.0f} ms | {1e3 * p['ttft']:.0f} ms | {p['ttft'] / s:.2f}x "
                 f"| {1e3 * p['headers']:.0f} ms | {1e3 * p['p_ttft']:.0f} ms | {1e3 * p['d_transfer']:.0f} ms "
                 f"| {1e3 * p['d_ttft']:.0f} ms | {p['bytes'] / 1e6:.2f} | {1e3 * (p['ttft'] - p['p_ttft']):.0f} ms |",
                 flush=True,
@@ -249,13 +258,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunk size of both sides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tuned-malloc", action="store_true", help="glibc malloc tuned in every process (re-executes)")
+    p.add_argument(
+        "--handoff-transport", nargs="+", default=["grpc"], choices=["grpc", "socket"], help="a P/D run per transport"
+    )
     a = p.parse_args(argv)
     if max(a.lengths) + 2 > MAX_LEN:
         p.error(f"lengths must be at most {MAX_LEN - 2}")
     if a.tuned_malloc and not _malloc_tuned():  # glibc reads these once, at process start
         args = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, "-m", "bench.pd_ttft", *args], {**os.environ, **TUNED_MALLOC_ENV})
-    run_pd_ttft_bench(a.lengths, a.archs, a.repeats, a.max_num_batched_tokens, a.seed)
+    run_pd_ttft_bench(
+        a.lengths, a.archs, a.repeats, a.max_num_batched_tokens, a.seed, transports=tuple(a.handoff_transport)
+    )
 
 
 if __name__ == "__main__":

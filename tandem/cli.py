@@ -233,6 +233,19 @@ def cmd_router(a: argparse.Namespace) -> int:
     return 0
 
 
+def worker_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(prefill flags, decode flags) of `tandem serve`: each option takes the rest of the command line, so the
+    one given first also swallows the other; split them again."""
+    pre, dec = list(a.prefill_args or []), list(a.decode_args or [])
+    if "--decode-args" in pre:
+        i = pre.index("--decode-args")
+        pre, dec = pre[:i], pre[i + 1 :] + dec
+    if "--prefill-args" in dec:
+        i = dec.index("--prefill-args")
+        dec, pre = dec[:i], dec[i + 1 :] + pre
+    return pre, dec
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import signal as _signal
 
@@ -242,12 +255,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     common = [] if a.no_prefix_caching else ["--enable-prefix-caching"]
     if a.redis_url:
         common += ["--redis-url", a.redis_url]
+    prefill_args, decode_args = worker_args(a)
     cluster = LocalCluster(
         model,
-        [
-            WorkerSpec("prefill", common + list(a.prefill_args or [])),
-            WorkerSpec("decode", common + list(a.decode_args or [])),
-        ],
+        [WorkerSpec("prefill", common + prefill_args), WorkerSpec("decode", common + decode_args)],
         router_args=["--redis-url", a.redis_url] if a.redis_url else [],
         http_port=a.http_port,
         grpc_port=a.grpc_port,

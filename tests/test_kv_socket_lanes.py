@@ -220,3 +220,22 @@ def test_a_consumer_gone_mid_lane_ends_the_lane_on_the_producer():
         return outcomes, live
 
     assert asyncio.run(run()) == (["cancelled"], 0)
+
+
+def test_a_silent_connection_is_closed(monkeypatch):
+    """A peer that connects and never asks for a lane is dropped after REQUEST_TIMEOUT_S."""
+    import engine.kv_transfer.socket_lanes as sl
+
+    monkeypatch.setattr(sl, "REQUEST_TIMEOUT_S", 0.2)
+
+    async def run():
+        outcomes = []
+        server = await serve_socket_lanes(HandoffLanes(2, 5), "127.0.0.1", 0, lambda o, n: outcomes.append(o))
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        closed = await asyncio.wait_for(reader.read(), 2)  # EOF once the server gives up
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        return closed, outcomes
+
+    assert asyncio.run(run()) == (b"", ["cancelled"])

@@ -79,3 +79,27 @@ def test_router_registry_refuses_speculating_producer_over_grpc():
             await server.stop(0)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["--prefill-args", "--handoff-data-port", "0"], (["--handoff-data-port", "0"], [])),
+        (["--decode-args", "--handoff-transport", "socket"], ([], ["--handoff-transport", "socket"])),
+        (
+            ["--prefill-args", "--handoff-data-port", "0", "--decode-args", "--handoff-transport", "socket"],
+            (["--handoff-data-port", "0"], ["--handoff-transport", "socket"]),
+        ),
+        (
+            ["--decode-args", "--cuda-graphs", "--prefill-args", "--max-num-batched-tokens", "8"],
+            (["--max-num-batched-tokens", "8"], ["--cuda-graphs"]),
+        ),
+    ],
+    ids=["prefill", "decode", "prefill then decode", "decode then prefill"],
+)
+def test_serve_splits_the_workers_flags(argv, want):
+    """`tandem serve`'s --prefill-args / --decode-args each take the rest of the line; both together still
+    reach their own worker (so a speculative flag meant for decode never lands on prefill)."""
+    from tandem.cli import build_parser, worker_args
+
+    assert worker_args(build_parser().parse_args(["serve", *argv])) == want

@@ -42,6 +42,7 @@ ERROR_FLAG = 1 << 31
 MAX_FRAME = 64 << 20
 """Largest message frame accepted (messages are at most 16 MiB of payload plus their metadata)."""
 MAX_REQUEST = 4096
+REQUEST_TIMEOUT_S = 5.0
 _U32 = struct.Struct("<I")
 
 
@@ -80,12 +81,13 @@ async def serve_socket_lanes(
         keepalive(writer.get_extra_info("socket"))
         count, outcome = StreamCount(), "cancelled"
         try:
-            n = _U32.unpack(await reader.readexactly(4))[0]
+            # a connection that never asks holds nothing for long
+            n = _U32.unpack(await asyncio.wait_for(reader.readexactly(4), REQUEST_TIMEOUT_S))[0]
             if n > MAX_REQUEST:
                 writer.write(error_frame("INVALID_ARGUMENT", f"a lane request of {n} bytes (at most {MAX_REQUEST})"))
                 outcome = "refused"
                 return
-            req = pb.LanePullRequest.FromString(await reader.readexactly(n))
+            req = pb.LanePullRequest.FromString(await asyncio.wait_for(reader.readexactly(n), REQUEST_TIMEOUT_S))
             messages = lanes.pull(req.request_id, req.lane, count)
             try:
                 async for msg in messages:
@@ -101,8 +103,8 @@ async def serve_socket_lanes(
             finally:
                 await messages.aclose()  # the registry learns now that this lane is done with
             await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
-            logger.debug("socket lane connection ended: %s", e)
+        except (ConnectionError, asyncio.IncompleteReadError, OSError, TimeoutError) as e:
+            logger.debug("socket lane connection ended: %r", e)
         except Exception as e:  # a malformed request: tell the consumer, then close
             outcome = "refused"
             writer.write(error_frame("INVALID_ARGUMENT", f"bad lane request: {e}"))
