@@ -78,6 +78,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.lanes = HandoffLanes(config.max_handoff_lanes, config.lane_ttl_s)
         metrics.lanes_held.set_function(lambda: self.lanes.live)
         self._data_server: asyncio.Server | None = None
+        self._data_failed = False
         self._data_lock = asyncio.Lock()
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
@@ -105,13 +106,19 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     async def _data_endpoint(self) -> str:
         """host:port of the socket data plane, started on the first request that asks for socket lanes;
         "" when this worker runs none (``data_port`` None)."""
-        if self.config.data_port is None:
+        if self.config.data_port is None or self._data_failed:
             return ""
         async with self._data_lock:
             if self._data_server is None:
-                self._data_server = await serve_socket_lanes(
-                    self.lanes, self.config.host, self.config.data_port, self._socket_lane_done
-                )
+                try:
+                    self._data_server = await serve_socket_lanes(
+                        self.lanes, self.config.host, self.config.data_port, self._socket_lane_done
+                    )
+                except OSError as e:  # e.g. the port is taken: gRPC lanes still work, so serve with those
+                    self._data_failed = True
+                    port = self.config.data_port
+                    logger.error("socket lanes cannot listen on port %s (%s): gRPC lanes only", port, e)
+                    return ""
                 logger.info("socket lanes on %s", _endpoint(self.config.host, self._data_server))
             return _endpoint(self.config.host, self._data_server)
 

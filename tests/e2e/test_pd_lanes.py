@@ -132,3 +132,28 @@ def test_cancel_over_lanes_frees_both_sides(slow_prefill):
 
 def test_prefill_killed_while_lanes_stream_errors_within_2s(slow_prefill, tiny_models):
     kill_prefill_mid_stream(slow_prefill, tiny_models["kimi_linear"].name, random_prompts(1, [2000], seed=33)[0])
+
+
+def test_a_taken_data_port_falls_back_to_grpc_lanes(tiny_models, tmp_path):
+    """A prefill worker whose data port is taken logs it and serves the lanes over gRPC: requests still work."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        c = LocalCluster(
+            tiny_models["kimi_linear"],
+            [WorkerSpec("prefill", ["--handoff-data-port", port]), WorkerSpec("decode", TRANSPORTS["socket"][1])],
+            log_dir=tmp_path / "logs",
+        )
+        c.start()
+        try:
+            client = openai.OpenAI(base_url=c.base_url, api_key="none", max_retries=0)
+            prompt = random_prompts(1, [40], seed=34)[0]
+            model = tiny_models["kimi_linear"].name
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+            engine = make_engine(tiny_models["kimi_linear"])
+            want = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
+            assert r.choices[0].text == engine.tokenizer.decode(want.output_token_ids)
+            assert _lanes_served(c, "grpc") == LANES - 1 and _lanes_served(c, "socket") == 0
+        finally:
+            c.stop()
