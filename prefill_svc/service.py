@@ -25,6 +25,7 @@ from engine.llm_engine import RequestOutput
 from kvstore.store import PrefixStore
 from prefill_svc.config import PrefillConfig
 from tandem.convert import logprobs_to_pb, params_from_pb
+from tandem.grpc_util import advertised_endpoint
 from tandem.metrics import WorkerMetrics
 from tandem.rpc import common_pb2 as cpb
 from tandem.rpc import prefill_pb2 as pb
@@ -46,8 +47,7 @@ def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int) -> 
 
 
 def _endpoint(host: str, server: asyncio.Server) -> str:
-    port = server.sockets[0].getsockname()[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return advertised_endpoint(host, server.sockets[0].getsockname()[1])
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):

@@ -47,6 +47,15 @@ def set_serving(health_servicer: health.HealthServicer, services: Iterable[str],
         health_servicer.set(name, status)
 
 
+def advertised_endpoint(bind_host: str, port: int) -> str:
+    """host:port for peers to dial a listener bound on ``bind_host``: a wildcard bind is advertised by this
+    machine's hostname (stage streams and socket lanes are dialled from other hosts); IPv6 literals bracketed."""
+    import socket
+
+    host = socket.gethostname() if bind_host in ("0.0.0.0", "::", "[::]", "") else bind_host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def channel(endpoint: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(endpoint, options=KEEPALIVE_OPTIONS)
 

@@ -239,3 +239,14 @@ def test_a_silent_connection_is_closed(monkeypatch):
         return closed, outcomes
 
     assert asyncio.run(run()) == (b"", ["cancelled"])
+
+
+@pytest.mark.parametrize(
+    ("bind", "want"),
+    [("127.0.0.1", "127.0.0.1:7"), ("::1", "[::1]:7"), ("0.0.0.0", None), ("::", None)],
+)
+def test_advertised_endpoint(bind, want):
+    """A wildcard bind is advertised by this host's name (peers on other hosts dial it), an address as is."""
+    from tandem.grpc_util import advertised_endpoint
+
+    assert advertised_endpoint(bind, 7) == (want or f"{socket.gethostname()}:7")

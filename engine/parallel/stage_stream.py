@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from concurrent import futures
@@ -105,7 +104,7 @@ class StageProducer:
         self.server: grpc.Server | None = None
 
     def start(self, host: str) -> str:
-        from tandem.grpc_util import SERVER_OPTIONS  # the serving stack: only a prefill worker's stages need it
+        from tandem.grpc_util import SERVER_OPTIONS, advertised_endpoint  # only a prefill worker's stages need it
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
         handler = grpc.unary_stream_rpc_method_handler(
@@ -115,8 +114,7 @@ class StageProducer:
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {"Pull": handler}),))
         port = self.server.add_insecure_port(f"{host}:0")
         self.server.start()
-        advertised = socket.gethostname() if host in ("0.0.0.0", "::", "[::]", "") else host  # a wildcard bind
-        return f"{advertised}:{port}"
+        return advertised_endpoint(host, port)
 
     def stop(self) -> None:
         if self.server is not None:
