@@ -59,7 +59,7 @@ class ImportSide:
     def attach_handoff_producer(self, producer: HandoffProducer) -> None:
         """A parallel engine tells its other pipeline stages which requests stream (StepPlan.handoff)."""
 
-    def start_stage_streams(self, host: str) -> list:
+    def start_stage_streams(self, host: str, advertise_host: str | None = None) -> list:
         """A pipelined engine's stages > 0 serve their own handoff streams; one stage has none."""
         return []
 

@@ -28,6 +28,9 @@ class PrefillConfig:
     """Most data streams one handoff may be pulled over (PrefillRequest.lanes asks; the header grants)."""
     lane_ttl_s: float = 60.0
     """How long a finished handoff's lanes wait to be pulled before their messages are dropped."""
+    advertise_host: str | None = None
+    """The address other hosts dial for this worker's stage streams and socket lanes (e.g. a pod's IP);
+    default: ``host``, or this machine's hostname when ``host`` is a wildcard."""
     data_port: int | None = None
     """Serve socket lanes (engine/kv_transfer/socket_lanes.py) on this port of ``host`` (0: any free one) for
     consumers that ask for them; None: gRPC lanes only."""

@@ -46,8 +46,8 @@ def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int) -> 
         yield encode_chunk(pb.HandoffChunk(aux_hidden=pb.AuxHidden(layer_ids=list(want), tensor=piece)), data)
 
 
-def _endpoint(host: str, server: asyncio.Server) -> str:
-    return advertised_endpoint(host, server.sockets[0].getsockname()[1])
+def _endpoint(host: str, server: asyncio.Server, advertise_host: str | None) -> str:
+    return advertised_endpoint(host, server.sockets[0].getsockname()[1], advertise_host)
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -97,7 +97,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         on the engine thread, so no step runs meanwhile)."""
         async with self._stage_lock:
             if self._stage_streams is None:
-                found = await self.aengine.call(lambda e: e.start_stage_streams(self.config.host))
+                found = await self.aengine.call(
+                    lambda e: e.start_stage_streams(self.config.host, self.config.advertise_host)
+                )
                 self._stage_streams = [
                     pb.StageStream(stage=s.stage, endpoint=s.endpoint, layers=s.layers) for s in found
                 ]
@@ -119,8 +121,10 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                     port = self.config.data_port
                     logger.error("socket lanes cannot listen on port %s (%s): gRPC lanes only", port, e)
                     return ""
-                logger.info("socket lanes on %s", _endpoint(self.config.host, self._data_server))
-            return _endpoint(self.config.host, self._data_server)
+                logger.info(
+                    "socket lanes on %s", _endpoint(self.config.host, self._data_server, self.config.advertise_host)
+                )
+            return _endpoint(self.config.host, self._data_server, self.config.advertise_host)
 
     def _socket_lane_done(self, outcome: str, payload: int) -> None:
         self.metrics.transfer_bytes.inc(payload)

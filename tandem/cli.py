@@ -152,6 +152,12 @@ def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
         help="decode: pull lanes over gRPC or over the prefill worker's socket data plane",
     )
     p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="prefill: the address other hosts dial for stage streams / socket lanes (default: --host, or the "
+        "hostname for 0.0.0.0)",
+    )
+    p.add_argument(
         "--handoff-data-port",
         type=int,
         default=None,
@@ -187,6 +193,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         _prefix_store(a),
         max_handoff_lanes=a.handoff_lanes or PrefillConfig.max_handoff_lanes,
         data_port=a.handoff_data_port,
+        advertise_host=a.advertise_host,
     )
     run(config)
     return 0

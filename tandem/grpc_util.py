@@ -47,12 +47,14 @@ def set_serving(health_servicer: health.HealthServicer, services: Iterable[str],
         health_servicer.set(name, status)
 
 
-def advertised_endpoint(bind_host: str, port: int) -> str:
-    """host:port for peers to dial a listener bound on ``bind_host``: a wildcard bind is advertised by this
-    machine's hostname (stage streams and socket lanes are dialled from other hosts); IPv6 literals bracketed."""
+def advertised_endpoint(bind_host: str, port: int, advertise_host: str | None = None) -> str:
+    """host:port for peers to dial a listener bound on ``bind_host``: ``advertise_host`` when given (e.g. a
+    pod's IP), else the bind address, and for a wildcard bind this machine's hostname (stage streams and
+    socket lanes are dialled from other hosts); IPv6 literals bracketed."""
     import socket
 
-    host = socket.gethostname() if bind_host in ("0.0.0.0", "::", "[::]", "") else bind_host.strip("[]")
+    host = advertise_host or (socket.gethostname() if bind_host in ("0.0.0.0", "::", "[::]", "") else bind_host)
+    host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -242,11 +242,19 @@ def test_a_silent_connection_is_closed(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("bind", "want"),
-    [("127.0.0.1", "127.0.0.1:7"), ("::1", "[::1]:7"), ("0.0.0.0", None), ("::", None)],
+    ("bind", "advertise", "want"),
+    [
+        ("127.0.0.1", None, "127.0.0.1:7"),
+        ("::1", None, "[::1]:7"),
+        ("0.0.0.0", None, None),
+        ("::", None, None),
+        ("0.0.0.0", "10.1.2.3", "10.1.2.3:7"),
+        ("0.0.0.0", "fd00::5", "[fd00::5]:7"),
+    ],
 )
-def test_advertised_endpoint(bind, want):
-    """A wildcard bind is advertised by this host's name (peers on other hosts dial it), an address as is."""
+def test_advertised_endpoint(bind, advertise, want):
+    """--advertise-host wins; else a wildcard bind is advertised by this host's name (peers on other hosts
+    dial it), an address as is."""
     from tandem.grpc_util import advertised_endpoint
 
-    assert advertised_endpoint(bind, 7) == (want or f"{socket.gethostname()}:7")
+    assert advertised_endpoint(bind, 7, advertise) == (want or f"{socket.gethostname()}:7")

@@ -153,9 +153,9 @@ class ParallelLLMEngine(LLMEngine):
     def attach_handoff_producer(self, producer: HandoffProducer) -> None:
         self._producer = producer
 
-    def start_stage_streams(self, host: str) -> list[StageEndpoint]:
+    def start_stage_streams(self, host: str, advertise_host: str | None = None) -> list[StageEndpoint]:
         """Prefill worker: stages > 0 serve their layers' share of every handoff from their own endpoint."""
-        found = self.collective_call(functools.partial(start_stage_streams, host=host))
+        found = self.collective_call(functools.partial(start_stage_streams, host=host, advertise_host=advertise_host))
         return sorted((e for e in found if e is not None), key=lambda e: e.stage)
 
     def import_target(self, res: ImportReservation) -> tuple[CacheTensors, list[int], list[int]]:

@@ -103,7 +103,7 @@ class StageProducer:
         self.active: set[str] = set()
         self.server: grpc.Server | None = None
 
-    def start(self, host: str) -> str:
+    def start(self, host: str, advertise_host: str | None = None) -> str:
         from tandem.grpc_util import SERVER_OPTIONS, advertised_endpoint  # only a prefill worker's stages need it
 
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
@@ -114,7 +114,7 @@ class StageProducer:
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {"Pull": handler}),))
         port = self.server.add_insecure_port(f"{host}:0")
         self.server.start()
-        return advertised_endpoint(host, port)
+        return advertised_endpoint(host, port, advertise_host)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -177,7 +177,7 @@ class StageEndpoint:
     layers: tuple[int, ...]
 
 
-def start_stage_streams(state, host: str) -> StageEndpoint | None:
+def start_stage_streams(state, host: str, advertise_host: str | None = None) -> StageEndpoint | None:
     """Run on every rank (``collective_call``): stage leaders > 0 start producing and serving."""
     g = state.groups
     if not g.is_stage_leader or g.is_first_stage or state.relay is not None:
@@ -186,7 +186,7 @@ def start_stage_streams(state, host: str) -> StageEndpoint | None:
 
     cfg = load_model_config(state.config.model)
     relay = StageProducer(cfg, state.cache, state.config.page_size, g.stage)
-    endpoint = relay.start(host)
+    endpoint = relay.start(host, advertise_host)
     state.stage.model.layer_hooks.append(relay.producer.on_layer)
     state.relay = relay
     logger.info("stage %d serves its handoff streams on %s", g.stage, endpoint)
