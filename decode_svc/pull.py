@@ -11,7 +11,7 @@ cancels the prefill stream, so the caller sees that stream's error within the ti
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import grpc
@@ -42,6 +42,18 @@ class StageStreamFailed(Exception):
         return cls(error.what, grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.UNAVAILABLE), error.details)
 
 
+def _failure(what: str, e: BaseException) -> BaseException:
+    """What a side stream's error means to the caller: a broken transport as StageStreamFailed (with its
+    status), anything else (a refused handoff) as it is."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return StageStreamFailed.of_rpc(what, e)
+    if isinstance(e, SocketLaneFailed):
+        return StageStreamFailed.of_socket(e)
+    if isinstance(e, TimeoutError):
+        return StageStreamFailed(what, grpc.StatusCode.DEADLINE_EXCEEDED, "the handoff's deadline passed")
+    return e
+
+
 async def pull_handoff(
     call: grpc.aio.UnaryStreamCall,
     consumer: HandoffConsumer,
@@ -53,69 +65,49 @@ async def pull_handoff(
     tasks: list[asyncio.Task] = []
     failed: list[BaseException] = []
 
-    async def pull_side(scall: grpc.aio.UnaryStreamCall, what: str, accept, ended) -> HandoffResult | None:
+    async def side(what: str, pull: Awaitable, ended: Callable[[], bool], on_cancel=None) -> HandoffResult | None:
+        """One stream besides the prefill stream (a stage stream, a gRPC or a socket lane): ``pull`` feeds
+        it to the consumer and returns the consumer's last result; a failure cancels the prefill stream."""
         try:
-            result = None
-            async for msg in scall:
-                result = accept(msg)
+            result = await pull
             if not ended():
                 raise HandoffError(f"{what} ended without an end marker")
             return result
         except asyncio.CancelledError:
-            scall.cancel()
+            if on_cancel is not None:
+                on_cancel()
             raise
-        except grpc.aio.AioRpcError as e:
-            failed.append(StageStreamFailed.of_rpc(what, e))
-            call.cancel()
-            raise failed[-1] from None
         except BaseException as e:
-            failed.append(e)
+            failed.append(_failure(what, e))
             call.cancel()  # the prefill stream waits for nothing now
-            raise
+            raise failed[-1] from None
 
-    async def pull_socket(lane: int) -> HandoffResult | None:
-        """Lane ``lane`` on the producer's socket data plane (engine/kv_transfer/socket_lanes.py)."""
-        what = f"socket lane {lane}"
-        try:
-            pull = pull_socket_lane(consumer.data_endpoint, rid, lane, partial(consumer.accept_lane, lane))
-            result = await (asyncio.wait_for(pull, timeout) if timeout else pull)
-            if not consumer.lane_ended(lane):
-                raise HandoffError(f"{what} ended without an end marker")
-            return result
-        except SocketLaneFailed as e:
-            failed.append(StageStreamFailed.of_socket(e))
-        except TimeoutError:
-            failed.append(StageStreamFailed(what, grpc.StatusCode.DEADLINE_EXCEEDED, "the handoff's deadline passed"))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            failed.append(e)
-            call.cancel()
-            raise
-        call.cancel()  # the prefill stream waits for nothing now
-        raise failed[-1]
+    async def drain(scall: grpc.aio.UnaryStreamCall, accept) -> HandoffResult | None:
+        result = None
+        async for msg in scall:
+            result = accept(msg)
+        return result
 
     def side_streams() -> list[asyncio.Task]:
         on_sockets = bool(consumer.data_endpoint)
         if consumer.lanes > 1 and not on_sockets and lane_call is None:
             raise HandoffError(f"the producer dealt the handoff over {consumer.lanes} lanes; none were asked for")
-        out = [pull_socket(lane) for lane in range(1, consumer.lanes)] if on_sockets else []
+        lanes = range(1, consumer.lanes)
+        socket_lanes, grpc_lanes = (lanes, ()) if on_sockets else ((), lanes)  # engine/kv_transfer/socket_lanes.py
+        out = []
+        for lane in socket_lanes:
+            pull = pull_socket_lane(consumer.data_endpoint, rid, lane, partial(consumer.accept_lane, lane))
+            pull = asyncio.wait_for(pull, timeout) if timeout else pull
+            out.append(side(f"socket lane {lane}", pull, partial(consumer.lane_ended, lane)))
         for s in consumer.stage_streams:
             scall = stage_call(s.endpoint)(pb.StagePullRequest(request_id=rid, stage=s.stage), timeout=timeout)
+            pull = drain(scall, partial(consumer.accept_stage, s.stage))
             what = f"prefill stage {s.stage} at {s.endpoint}"
-            out.append(
-                pull_side(scall, what, partial(consumer.accept_stage, s.stage), partial(consumer.stream_ended, s.stage))
-            )
-        for lane in range(1, 1 if on_sockets else consumer.lanes):
+            out.append(side(what, pull, partial(consumer.stream_ended, s.stage), scall.cancel))
+        for lane in grpc_lanes:
             lcall = lane_call(lane)(pb.LanePullRequest(request_id=rid, lane=lane), timeout=timeout)
-            out.append(
-                pull_side(
-                    lcall,
-                    f"handoff lane {lane}",
-                    partial(consumer.accept_lane, lane),
-                    partial(consumer.lane_ended, lane),
-                )
-            )
+            pull = drain(lcall, partial(consumer.accept_lane, lane))
+            out.append(side(f"handoff lane {lane}", pull, partial(consumer.lane_ended, lane), lcall.cancel))
         return [asyncio.create_task(c) for c in out]
 
     result = None

@@ -46,10 +46,6 @@ def _aux_messages(out: RequestOutput, want: tuple[int, ...], max_bytes: int) -> 
         yield encode_chunk(pb.HandoffChunk(aux_hidden=pb.AuxHidden(layer_ids=list(want), tensor=piece)), data)
 
 
-def _endpoint(host: str, server: asyncio.Server, advertise_host: str | None) -> str:
-    return advertised_endpoint(host, server.sockets[0].getsockname()[1], advertise_host)
-
-
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(
         self,
@@ -78,7 +74,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.lanes = HandoffLanes(config.max_handoff_lanes, config.lane_ttl_s)
         metrics.lanes_held.set_function(lambda: self.lanes.live)
         self._data_server: asyncio.Server | None = None
-        self._data_failed = False
+        self._data_advertised: str | None = None  # "" once the data port failed to open
         self._data_lock = asyncio.Lock()
 
     async def Info(self, request: cpb.WorkerInfoRequest, context: grpc.aio.ServicerContext) -> cpb.WorkerInfo:
@@ -107,24 +103,25 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def _data_endpoint(self) -> str:
         """host:port of the socket data plane, started on the first request that asks for socket lanes;
-        "" when this worker runs none (``data_port`` None)."""
-        if self.config.data_port is None or self._data_failed:
+        "" when this worker runs none (``data_port`` None, or its port could not be opened)."""
+        if self.config.data_port is None:
             return ""
         async with self._data_lock:
-            if self._data_server is None:
+            if self._data_advertised is None:
                 try:
-                    self._data_server = await serve_socket_lanes(
+                    server = await serve_socket_lanes(
                         self.lanes, self.config.host, self.config.data_port, self._socket_lane_done
                     )
                 except OSError as e:  # e.g. the port is taken: gRPC lanes still work, so serve with those
-                    self._data_failed = True
                     port = self.config.data_port
                     logger.error("socket lanes cannot listen on port %s (%s): gRPC lanes only", port, e)
+                    self._data_advertised = ""
                     return ""
-                logger.info(
-                    "socket lanes on %s", _endpoint(self.config.host, self._data_server, self.config.advertise_host)
-                )
-            return _endpoint(self.config.host, self._data_server, self.config.advertise_host)
+                port = server.sockets[0].getsockname()[1]
+                self._data_advertised = advertised_endpoint(self.config.host, port, self.config.advertise_host)
+                self._data_server = server
+                logger.info("socket lanes on %s", self._data_advertised)
+            return self._data_advertised
 
     def _socket_lane_done(self, outcome: str, payload: int) -> None:
         self.metrics.transfer_bytes.inc(payload)

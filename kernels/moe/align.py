@@ -6,8 +6,8 @@ expert: its group starts after every pair of a lower expert (a count over all pa
 next rows in pair order (an exclusive cumsum of "this pair is mine"). That is exactly the stable sort's order.
 Each program reads the N ids twice (N * 8 bytes: 4 KB at a 64-token decode step) and nothing is serial across
 experts. (The first version walked all pairs in one program, counts then placement: 27.9 us at 512 pairs on
-an H200; ``method="one-program"`` keeps it for the benchmark.) Larger steps (prefill) keep the torch path,
-where the sort is cheap per pair.
+an H200, 2.4 us at 8; it is in git history.) Larger steps (prefill) keep the torch path, where the sort is
+cheap per pair.
 """
 
 from __future__ import annotations
@@ -20,44 +20,8 @@ from kernels.moe.grouped import MoEAlign, moe_align
 from kernels.triton_utils import check_device, is_interpreting, next_pow2
 
 MAX_PAIRS = 8192
-"""Above this many (token, expert) pairs, the one-program kernel is slower than torch's sort."""
-
-
-@triton.jit
-def _moe_align_kernel(
-    IDS,  # [N] int64 expert of each pair (pair j = token j // TOP_K, slot j % TOP_K)
-    ORDER,  # [N] int64 out: pair index of each sorted row
-    TOKEN,  # [N] int64 out: token of each sorted row
-    POSITION,  # [N] int64 out: sorted row of each pair (the inverse of ORDER)
-    ENDS,  # [E] int32 out: end row of each expert's group
-    N,
-    E,
-    TOP_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    o_e = tl.arange(0, BLOCK_E)
-    o_b = tl.arange(0, BLOCK)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for start in range(0, N, BLOCK):
-        o = start + o_b
-        b_id = tl.load(IDS + o, mask=o < N, other=-1).to(tl.int32)
-        counts += tl.sum((b_id[:, None] == o_e[None, :]).to(tl.int32), axis=0)
-    ends = tl.cumsum(counts, axis=0)
-    tl.store(ENDS + o_e, ends, mask=o_e < E)
-    running = ends - counts  # next free row of each expert
-    for start in range(0, N, BLOCK):
-        o = start + o_b
-        m = o < N
-        b_id = tl.load(IDS + o, mask=m, other=-1).to(tl.int32)
-        hot = (b_id[:, None] == o_e[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E]
-        base = tl.sum(hot * running[None, :], axis=1)  # running[b_id]
-        before = (b_id[:, None] == b_id[None, :]) & (o_b[None, :] < o_b[:, None])  # same expert, earlier here
-        pos = base + tl.sum(before.to(tl.int32), axis=1)
-        tl.store(ORDER + pos, o.to(tl.int64), mask=m)
-        tl.store(TOKEN + pos, (o // TOP_K).to(tl.int64), mask=m)
-        tl.store(POSITION + o, pos.to(tl.int64), mask=m)
-        running += tl.sum(hot, axis=0)
+"""Above this many (token, expert) pairs, torch's sort (set for the first, one-program kernel; each program of
+this one reads all N ids, so long steps stay with the sort)."""
 
 
 @triton.jit
@@ -93,18 +57,9 @@ def _moe_align_by_expert_kernel(
     tl.store(ENDS + e, row)
 
 
-def moe_align_triton(
-    ids: torch.Tensor,
-    num_experts: int,
-    block: int | None = None,
-    num_warps: int = 4,
-    method: str = "by-expert",
-) -> MoEAlign:
-    """ids [T, k] int64 -> the layout ``moe_align`` returns (the same stable order), in one launch.
-
-    ``method``: "by-expert" (one program per expert; ``block``: ids per load) or "one-program" (the first
-    version; ``block``: pairs per pass, default a [BLOCK, E] one-hot of 8,192 entries, 4 warps: on an H200 at
-    E=256 2.4 / 27.9 us for T=1 / 64 vs 4.7 / 33.6 us with 64 pairs and 8 warps)."""
+def moe_align_triton(ids: torch.Tensor, num_experts: int, block: int | None = None, num_warps: int = 4) -> MoEAlign:
+    """ids [T, k] int64 -> the layout ``moe_align`` returns (the same stable order), in one launch of one
+    program per expert. ``block``: ids per load (default: all of them, up to 1,024)."""
     check_device("moe_align_triton", ids)
     if ids.ndim != 2:
         raise ValueError(f"ids must be [T, k], got {tuple(ids.shape)}")
@@ -113,32 +68,13 @@ def moe_align_triton(
     order = torch.empty(n, dtype=torch.int64, device=ids.device)
     token = torch.empty(n, dtype=torch.int64, device=ids.device)
     position = torch.empty(n, dtype=torch.int64, device=ids.device)
-    ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    if method == "by-expert":
-        if n:
-            blk = block or min(1024, max(16, next_pow2(n)))
-            _moe_align_by_expert_kernel[(num_experts,)](
-                flat, order, token, position, ends, n, TOP_K=ids.shape[1], BLOCK=blk, num_warps=num_warps
-            )
-        else:
-            ends.zero_()
-        return MoEAlign(order=order, token=token, offsets=ends, position=position)
-    if method != "one-program":
-        raise ValueError(f"method must be 'by-expert' or 'one-program', got {method!r}")
-    block_e = next_pow2(num_experts)
-    block = block or max(16, min(32, 8192 // block_e))  # the [BLOCK, BLOCK_E] one-hot stays in registers
-    _moe_align_kernel[(1,)](
-        flat,
-        order,
-        token,
-        position,
-        ends,
-        n,
-        num_experts,
-        TOP_K=ids.shape[1],
-        BLOCK=block,
-        BLOCK_E=block_e,
-        num_warps=num_warps,
+    if n == 0:
+        empty = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+        return MoEAlign(order=order, token=token, offsets=empty, position=position)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)  # every program writes its end
+    blk = block or min(1024, max(16, next_pow2(n)))
+    _moe_align_by_expert_kernel[(num_experts,)](
+        flat, order, token, position, ends, n, TOP_K=ids.shape[1], BLOCK=blk, num_warps=num_warps
     )
     return MoEAlign(order=order, token=token, offsets=ends, position=position)
 
