@@ -230,6 +230,7 @@ def section_attention(rep: Report, quick: bool) -> None:
     mla_cases = [
         ("decode  N=64 ctx~4k", [1] * 64, [4096 - 5 * (i % 7) for i in range(64)], None),
         ("decode  N=4 ctx 4095 (split-KV)", [1] * 4, [4095] * 4, None),
+        ("decode  N=16 ctx~32k (split-KV)", [1] * 16, [32768 - 3 * i for i in range(16)], None),
         ("spec    N=32 q=4 ctx~4k", [4] * 32, [4000 + i for i in range(32)], None),
         ("chunk   q=1024/4090 absorbed", [1024], [4090], None),
         ("chunk   q=1024/4090 expanded", [1024], [4090], 0),
@@ -237,7 +238,7 @@ def section_attention(rep: Report, quick: bool) -> None:
         ("mixed   32 decode + chunk 1000/3000 (auto)", [1] * 32 + [1000], [3001] * 32 + [3000], 192),
     ]
     if quick:
-        mla_cases = mla_cases[:1] + mla_cases[3:5]
+        mla_cases = mla_cases[:1] + mla_cases[4:6]
     # every case at page 64, the decode case again at page 16
     for page_size, label, q_lens, ctx, thr in [(64, *c) for c in mla_cases] + [(16, *mla_cases[0])]:
         tables, num_pages = _pages(ctx, page_size)

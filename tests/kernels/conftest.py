@@ -34,6 +34,7 @@ TRITON_MODULES = (
     "kernels.moe.decode",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
+    "kernels.paged_attention.mla_decode",
     "kernels.paged_attention.triton",
     "kernels.short_conv.triton",
     "kernels.short_conv.fla_adapter",

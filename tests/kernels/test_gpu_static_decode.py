@@ -41,12 +41,14 @@ def test_split_keys_and_overlap_as_on_the_gpu(tiny_models, arch, monkeypatch):
     step splits by the context bucket while the normal path splits by the exact length: the two paths run
     different split / merge launches. Overlapped decode (carried ids) and packed weights (as the engine packs
     them on CUDA) on top; tokens and decode logits as the reference's."""
+    import kernels.paged_attention.mla_decode as mla_decode
     import kernels.paged_attention.triton as paged
 
-    monkeypatch.setattr(paged, "_num_sms", lambda device: 132)
-    splits: list[int] = []
-    choose = paged.choose_splits
-    monkeypatch.setattr(paged, "choose_splits", lambda *a, **k: splits.append(choose(*a, **k)) or splits[-1])
+    splits: list[int] = []  # decode launches of both kernels: the general one (GQA) and MLA's all-heads one
+    for mod, name in ((paged, "choose_splits"), (mla_decode, "mla_decode_splits")):
+        monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+        choose = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _f=choose, **k: splits.append(_f(*a, **k)) or splits[-1])
     prompts = random_prompts(2, [300, 150], seed=5)  # a 512-token bucket: 2 key splits, 1 at the exact length
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ref = make_engine(tiny_models[arch], max_num_batched_tokens=512)
