@@ -31,9 +31,9 @@ class PrefillConfig:
     advertise_host: str | None = None
     """The address other hosts dial for this worker's stage streams and socket lanes (e.g. a pod's IP);
     default: ``host``, or this machine's hostname when ``host`` is a wildcard."""
-    data_port: int | None = None
-    """Serve socket lanes (engine/kv_transfer/socket_lanes.py) on this port of ``host`` (0: any free one) for
-    consumers that ask for them; None: gRPC lanes only."""
+    data_port: int | None = 0
+    """Serve socket lanes (engine/kv_transfer/socket_lanes.py) on this port of ``host`` (0, the default: any
+    free one, advertised in each handoff's header) for consumers that ask for them; None: gRPC lanes only."""
 
     def __post_init__(self) -> None:
         if self.speculative.enabled:

@@ -124,6 +124,15 @@ def _speculative(a: argparse.Namespace):
     return SpeculativeConfig(a.speculative_method, a.num_speculative_tokens, a.draft_model)
 
 
+def _data_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a port number nor 'off'") from None
+
+
 def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
     _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -148,8 +157,9 @@ def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument(
         "--handoff-transport",
         choices=("grpc", "socket"),
-        default="grpc",
-        help="decode: pull lanes over gRPC or over the prefill worker's socket data plane",
+        default="socket",
+        help="decode: pull the handoff's kv / state bytes over the prefill worker's socket data plane (default; "
+        "gRPC lanes when that worker runs none) or over gRPC lanes",
     )
     p.add_argument(
         "--advertise-host",
@@ -159,9 +169,10 @@ def _add_worker_args(p: argparse.ArgumentParser, port: int) -> None:
     )
     p.add_argument(
         "--handoff-data-port",
-        type=int,
-        default=None,
-        help="prefill: serve socket lanes on this port (0: any free one; default: none)",
+        type=_data_port,
+        default=0,
+        help="prefill: serve socket lanes on this port (default 0: any free one, advertised in each handoff's "
+        "header; off: gRPC lanes only)",
     )
 
 

@@ -258,3 +258,33 @@ def test_advertised_endpoint(bind, advertise, want):
     from tandem.grpc_util import advertised_endpoint
 
     assert advertised_endpoint(bind, 7, advertise) == (want or f"{socket.gethostname()}:7")
+
+
+@pytest.mark.parametrize(
+    ("argv", "data_port", "transport"),
+    [
+        ([], 0, "socket"),
+        (["--handoff-data-port", "off", "--handoff-transport", "grpc"], None, "grpc"),
+        (["--handoff-data-port", "7001"], 7001, "socket"),
+    ],
+)
+def test_socket_lanes_are_the_default_data_plane(argv, data_port, transport):
+    """Workers started with no flags serve (prefill) and ask for (decode) socket lanes; `off` / `grpc` opt out."""
+    from decode_svc.config import DecodeConfig
+    from engine.config import EngineConfig
+    from prefill_svc.config import PrefillConfig
+    from tandem.cli import build_parser
+
+    for role in ("prefill", "decode"):
+        a = build_parser().parse_args([role, *argv])
+        assert (a.handoff_data_port, a.handoff_transport) == (data_port, transport)
+    assert PrefillConfig(EngineConfig(model="m")).data_port == 0
+    assert DecodeConfig(EngineConfig(model="m")).handoff_transport == "socket"
+
+
+def test_a_bad_data_port_flag_names_the_value(capsys):
+    from tandem.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["prefill", "--handoff-data-port", "auto"])
+    assert "'auto' is neither a port number nor 'off'" in capsys.readouterr().err

@@ -7,8 +7,8 @@ the 2-core host and 23-35 % on a 16-core one, and no client option, lane count o
 ran at 76-115 % (``python -m bench.handoff``). gRPC keeps the control: the Prefill stream carries the header
 (fingerprint, lanes, ``data_endpoint``), block hashes, first token and end marker; with socket lanes every kv /
 state message goes to lanes 1.. (``Dealer(skip_lane0=True)``), each lane ends with its counted end marker
-and every payload keeps its CRC-32, all checked by the consumer as before. Opt-in: decode ``--handoff-transport
-socket``, prefill ``--handoff-data-port``.
+and every payload keeps its CRC-32, all checked by the consumer as before. The default data plane: decode
+``--handoff-transport socket``, prefill ``--handoff-data-port 0`` (any free port; ``off``: gRPC lanes only).
 
 Frames (little-endian):
 

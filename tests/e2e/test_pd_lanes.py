@@ -26,7 +26,7 @@ LANES = 3
 MAX_TOKENS = 16
 # transport -> (prefill worker's flags, decode worker's flags)
 TRANSPORTS = {
-    "grpc": ([], ["--handoff-lanes", str(LANES)]),
+    "grpc": (["--handoff-data-port", "off"], ["--handoff-lanes", str(LANES), "--handoff-transport", "grpc"]),
     "socket": (["--handoff-data-port", "0"], ["--handoff-lanes", str(LANES), "--handoff-transport", "socket"]),
 }
 

@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from tandem.cluster import LocalCluster
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tests.conftest import make_engine, random_prompts
-from tests.e2e.helpers import in_use, wait_all_free
+from tests.e2e.helpers import in_use, scrape, wait_all_free
 
 MAX_TOKENS = 24
 
@@ -52,8 +52,10 @@ async def _complete_all(cluster: LocalCluster, prompts: list[list[int]], **kw) -
 
 
 def test_concurrent_greedy_is_token_exact(cluster, tiny_models):
-    """16 concurrent requests of mixed lengths through router -> P -> D == the single-process engine."""
+    """16 concurrent requests of mixed lengths through router -> P -> D == the single-process engine, their
+    kv / state bytes on the default data plane: one socket lane each (engine/kv_transfer/socket_lanes.py)."""
     prompts = random_prompts(16, [1, 5, 16, 17, 33, 64, 100, 150], seed=11)
+    before = _socket_lanes_served(cluster)
     res = asyncio.run(_complete_all(cluster, prompts, temperature=0, extra_body={"ignore_eos": True}))
     engine = make_engine(tiny_models[cluster.arch])
     want = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
@@ -63,6 +65,12 @@ def test_concurrent_greedy_is_token_exact(cluster, tiny_models):
         assert r.choices[0].text == tok.decode(w.output_token_ids), f"prompt of {len(p)} tokens diverges"
     ok, used, _ = wait_all_free(cluster, 2.0)
     assert ok, used
+    assert _socket_lanes_served(cluster) - before == len(prompts)
+
+
+def _socket_lanes_served(cluster: LocalCluster) -> float:
+    key = 'tandem_prefill_lane_streams_total{outcome="ok",transport="socket"}'
+    return scrape(cluster.worker("prefill").metrics_port).get(key, 0.0)
 
 
 def test_seeded_sampling_and_logprobs_match_single_process(cluster, tiny_models):
