@@ -15,7 +15,7 @@ Two formulations of the same math (constexpr ``KEYS_MAJOR``), both exact against
 
 Decode only: each sequence has one query at position ``ctx - 1`` that sees keys ``0 .. ctx - 1``. Long
 contexts are split over the key axis (flash-decoding): each split writes fp32 partial outputs and a log2-domain
-log-sum-exp, merged by ``triton.py::_merge_splits_kernel``. The launch depends on host ints only
+log-sum-exp, merged by ``triton.py::SplitOutputs``. The launch depends on host ints only
 (shapes, ``max_ctx``, ``num_splits``): no host sync, CUDA-graph capturable.
 
 Defaults from ``bench/mla_decode_sweep.py`` on the H200 (docs/PERFORMANCE.md, 72 configurations per workload):
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention.triton import LOG2E, _merge_splits_kernel, _mm, _num_sms
+from kernels.paged_attention.triton import LOG2E, SplitOutputs, _mm, _num_sms
 from kernels.triton_utils import check_device, dot_config, next_pow2
 
 MIN_SPLIT = 128  # keys per split at least (automatic splits)
@@ -217,19 +217,13 @@ def mla_decode_fwd(
     num_splits = -(-max(max_ctx, 1) // split_len)
 
     dot_f32, prec = dot_config(q_lat.dtype)
-    if num_splits > 1:
-        o_buf = torch.empty(num_splits, b, h, r, dtype=torch.float32, device=q_lat.device)
-        lse = torch.empty(num_splits, b, h, dtype=torch.float32, device=q_lat.device)
-        s_o, s_l = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2)), (lse.stride(0), lse.stride(1))
-    else:
-        o_buf, lse = out, out
-        s_o, s_l = (0, out.stride(0), out.stride(1)), (0, 0)
+    split = SplitOutputs.of(out, num_splits)
     _mla_decode_kernel[(b, num_splits)](
         q_lat,
         q_pe,
         latent_cache,
-        o_buf,
-        lse,
+        split.o,
+        split.lse,
         block_tables,
         ctx_lens,
         scale * LOG2E,
@@ -239,8 +233,8 @@ def mla_decode_fwd(
         q_pe.stride(1),
         latent_cache.stride(0),
         latent_cache.stride(1),
-        *s_o,
-        *s_l,
+        *split.o_strides,
+        *split.lse_strides,
         block_tables.stride(0),
         split_len,
         H=h,
@@ -258,20 +252,7 @@ def mla_decode_fwd(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(b, h)](
-            o_buf,
-            lse,
-            out,
-            num_splits,
-            *s_o,
-            *s_l,
-            out.stride(0),
-            out.stride(1),
-            DV=r,
-            BLOCK_DV=next_pow2(r),
-            num_warps=4,
-        )
+    split.merge(out)
     return out
 
 

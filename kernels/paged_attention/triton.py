@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -244,6 +245,47 @@ def _merge_splits_kernel(
     tl.store(OUT + i_t * stride_o_t + i_h * stride_o_h + o_dv, b_o.to(OUT.dtype.element_ty), mask=m_dv)
 
 
+@dataclass(frozen=True)
+class SplitOutputs:
+    """Where a launch over ``num_splits`` key splits writes: fp32 partial outputs [splits, T, H, DV] and their
+    log2-domain log-sum-exp [splits, T, H], merged into ``out`` by ``_merge_splits_kernel``; with one split the
+    kernel writes ``out`` itself (strides of split 0 only, no lse)."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+    o_strides: tuple[int, int, int]
+    lse_strides: tuple[int, int]
+    num_splits: int
+
+    @classmethod
+    def of(cls, out: torch.Tensor, num_splits: int) -> SplitOutputs:
+        t, h, dv = out.shape
+        if num_splits == 1:
+            return cls(out, out, (0, out.stride(0), out.stride(1)), (0, 0), 1)
+        o = torch.empty(num_splits, t, h, dv, dtype=torch.float32, device=out.device)
+        lse = torch.empty(num_splits, t, h, dtype=torch.float32, device=out.device)
+        return cls(o, lse, (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1)), num_splits)
+
+    def merge(self, out: torch.Tensor) -> None:
+        """The splits' partial results into ``out`` (nothing to do for one split)."""
+        if self.num_splits == 1:
+            return
+        t, h, dv = out.shape
+        _merge_splits_kernel[(t, h)](
+            self.o,
+            self.lse,
+            out,
+            self.num_splits,
+            *self.o_strides,
+            *self.lse_strides,
+            out.stride(0),
+            out.stride(1),
+            DV=dv,
+            BLOCK_DV=next_pow2(dv),
+            num_warps=4,
+        )
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -334,15 +376,7 @@ def attention_fwd(
     dot_f32, prec = dot_config(q_a.dtype)
     if out is None:
         out = q_a.new_empty(t, hq, dv)
-    if num_splits > 1:
-        o_part = torch.empty(num_splits, t, hq, dv, dtype=torch.float32, device=q_a.device)
-        lse = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q_a.device)
-        o_buf, s_o = o_part, (o_part.stride(0), o_part.stride(1), o_part.stride(2))
-        s_l = (lse.stride(0), lse.stride(1))
-    else:
-        o_part, lse = None, out
-        o_buf, s_o = out, (0, out.stride(0), out.stride(1))
-        s_l = (0, 0)
+    split = SplitOutputs.of(out, num_splits)
     ska = _strides_phd(k_a)
     skb = _strides_phd(k_b) if has_kb else (0, 0, 0)
     sv = _strides_phd(v) if not v_is_ka else (0, 0, 0)
@@ -359,8 +393,8 @@ def attention_fwd(
         k_a,
         k_b if has_kb else k_a,
         k_a if v_is_ka else v,
-        o_buf,
-        lse,
+        split.o,
+        split.lse,
         bt,
         meta.qsl,
         meta.ctx,
@@ -375,8 +409,8 @@ def attention_fwd(
         *ska,
         *skb,
         *sv,
-        *s_o,
-        *s_l,
+        *split.o_strides,
+        *split.lse_strides,
         bt.stride(0) if not contig else 0,
         split_len,
         meta.pos_stride if has_qpos else 1,
@@ -400,23 +434,7 @@ def attention_fwd(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(t, hq)](
-            o_part,
-            lse,
-            out,
-            num_splits,
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            DV=dv,
-            BLOCK_DV=next_pow2(dv),
-            num_warps=4,
-        )
+    split.merge(out)
     return out
 
 
