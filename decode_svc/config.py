@@ -29,7 +29,8 @@ class DecodeConfig:
     """Where lanes 1.. are pulled: "socket" (the prefill worker's socket data plane,
     engine/kv_transfer/socket_lanes.py: every kv / state message on them, at least one lane; a worker without
     one answers with gRPC lanes) or "grpc" (PullLane). Sockets by default: a gRPC-Python receiver reaches a
-    third to a half of a raw socket's bytes/s on loopback, the socket lanes 88-111 % (docs/PERFORMANCE.md)."""
+    third to a half of a raw socket's bytes/s on loopback, the socket lanes 47-111 % on three hosts
+    (docs/PERFORMANCE.md)."""
 
     def __post_init__(self) -> None:
         self.engine.parallel.check_service("decode", self.engine.enable_prefix_caching)
