@@ -30,7 +30,8 @@ MLA_ALL_HEADS = os.environ.get("TANDEM_MLA_ALL_HEADS", "1") != "0"
 
 
 def _all_heads_decode(meta: AttnMeta) -> bool:
-    return MLA_ALL_HEADS and meta.max_q_len == 1 and meta.num_tokens == meta.num_seqs and meta.qpos0 is None
+    one_query_each = meta.max_q_len == 1 and meta.num_tokens == meta.num_seqs
+    return MLA_ALL_HEADS and one_query_each and meta.qpos0 is None and meta.block_tables is not None
 
 
 def mla_absorbed(
@@ -56,21 +57,21 @@ def mla_absorbed(
     # [H, T, nope] @ [H, nope, R] -> [H, T, R]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1).contiguous()
     q_pe = q_pe.contiguous()
-    if _all_heads_decode(meta) and meta.block_tables is not None and num_splits is None and block_n is None:
+    if _all_heads_decode(meta) and num_splits is None and block_n is None:
         o_lat = mla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, meta.max_ctx, scale)
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
-    lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]
-    o_lat = attention_fwd(
-        q_lat,
-        lat[..., :kv_lora_rank],
-        None,
-        meta,
-        scale,
-        q_b=q_pe,
-        k_b=lat[..., kv_lora_rank:],
-        num_splits=num_splits,
-        block_n=block_n,
-    )
+    else:
+        lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]
+        o_lat = attention_fwd(
+            q_lat,
+            lat[..., :kv_lora_rank],
+            None,
+            meta,
+            scale,
+            q_b=q_pe,
+            k_b=lat[..., kv_lora_rank:],
+            num_splits=num_splits,
+            block_n=block_n,
+        )
     # [H, T, R] @ [H, R, v] -> [H, T, v]
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
