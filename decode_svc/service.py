@@ -224,4 +224,5 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             code = _GRPC_TO_GRPC.get(e.code(), grpc.StatusCode.UNAVAILABLE)
             await context.abort(code, f"prefill worker {request.prefill_endpoint}: {e.code().name}: {e.details()}")
         finally:
+            consumer.close()  # a socket lane's placing thread writes nothing after this: the pages can go
             self.metrics.live_transfers.dec()

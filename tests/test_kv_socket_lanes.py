@@ -133,8 +133,9 @@ def _one_shot_server(reply: bytes) -> tuple[socket.socket, str]:
         (struct.pack("<I", 100) + b"x" * 10, SocketLaneFailed, "closed the connection mid-lane"),
         (struct.pack("<I", MAX_FRAME + 1), HandoffError, "a frame of"),
         (b"", SocketLaneFailed, "closed the connection mid-lane"),
+        (struct.pack("<I", 8) + b"\xff" * 8, HandoffError, "a message could not be decoded"),
     ],
-    ids=["cut mid-frame", "oversized frame", "closed at once"],
+    ids=["cut mid-frame", "oversized frame", "closed at once", "not a message"],
 )
 def test_a_cut_or_malformed_lane_is_an_error_at_once(reply, error, match):
     srv, endpoint = _one_shot_server(reply)
@@ -288,3 +289,63 @@ def test_a_bad_data_port_flag_names_the_value(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--handoff-data-port", "auto"])
     assert "'auto' is neither a port number nor 'off'" in capsys.readouterr().err
+
+
+def _lane_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("socket lane")]
+
+
+def test_a_cancelled_pull_ends_its_threads_and_the_lane(handoff):
+    """Cancelling a pull mid-lane (the decode request went away) shuts the socket: the lane's receiving and
+    placing threads end, the producer sees the lane cancelled, and nothing is taken after the cancel."""
+
+    async def run():
+        lanes, outcomes, taken = HandoffLanes(max_lanes=2, ttl_s=5), [], []
+        server = await serve_socket_lanes(lanes, "127.0.0.1", 0, lambda outcome, n: outcomes.append(outcome))
+        endpoint = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        deliver = lanes.open("r", 2, lambda c: None, skip_lane0=True)
+        data = [_encoded(m) for m in handoff[-1] if _is_data(m)]
+        for m in data[:3]:  # then the producer has nothing more for a while (a long prefill)
+            deliver(m)
+        pulling = asyncio.create_task(pull_socket_lane(endpoint, "r", 1, taken.append))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while len(taken) < 3 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        running = _lane_threads()
+        pulling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pulling
+        deliver(data[3])  # sent into a closed connection, never taken
+        deadline = loop.time() + 2
+        while (_lane_threads() or not outcomes) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        server.close()
+        await server.wait_closed()
+        return len(taken), running, _lane_threads(), outcomes, lanes.live
+
+    n, running, left, outcomes, live = asyncio.run(run())
+    assert n == 3 and len(running) == 2  # a receiving and a placing thread while the lane ran
+    assert left == [] and outcomes == ["cancelled"] and live == 0
+
+
+def test_a_closed_consumer_takes_nothing_more(handoff):
+    """``close()`` (the decode worker abandons the handoff, before it frees the reservation): every later
+    message is refused, on the prefill stream and on lanes, and no byte lands in the pages."""
+    _, _, _, _, _, msgs = handoff
+    d_engine, res, consumer = _consumer((*handoff[:5], None))
+    header = pb.HandoffChunk()
+    header.CopyFrom(msgs[0])
+    header.header.lanes = 2
+    consumer.accept(header)
+    before = {layer: kv[res.page_ids].clone() for layer, kv in d_engine.cache.kv.items()}
+    consumer.close()
+    data = [m for m in msgs if _is_data(m)]
+    with pytest.raises(HandoffError, match="closed"):
+        consumer.accept_lane(1, data[0])
+    with pytest.raises(HandoffError, match="closed"):
+        consumer.accept(data[1])
+    for layer, kv in d_engine.cache.kv.items():
+        assert torch.equal(kv[res.page_ids], before[layer])

@@ -11,7 +11,7 @@ import torch
 from engine.block_hash import block_hashes, namespace
 from engine.fingerprint import compute_fingerprint
 from engine.kv_transfer import consumer as consumer_mod
-from engine.kv_transfer.codec import HandoffError, TensorAssembler, tensor_pieces
+from engine.kv_transfer.codec import HandoffError, PagedTarget, TensorAssembler, tensor_pieces
 from engine.kv_transfer.consumer import HandoffConsumer, fingerprint_to_pb
 from engine.kv_transfer.producer import HandoffProducer
 from engine.kv_transfer.wire import parse_chunk
@@ -149,6 +149,27 @@ def test_tensor_pieces_roundtrip_bf16():
         assert len(data) <= 17
         asm.add(piece, data)
     assert asm.complete and torch.equal(asm.tensor(), t)
+
+
+@pytest.mark.parametrize("piece_bytes", [7, 48, 100, 1000])
+def test_paged_target_places_every_split_into_its_pages(piece_bytes):
+    """Pieces cut anywhere (inside a page, across several, a partial last page) land in their scattered
+    pages and nowhere else."""
+    page_rows, row_bytes, rows = 4, 12, 4 * 5 + 3  # 6 pages, the last one 3 rows of 4
+    pool = torch.zeros(16, page_rows * row_bytes, dtype=torch.uint8)
+    ids = torch.tensor([9, 2, 14, 3, 0, 7])
+    t = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8)
+    asm = TensorAssembler("t", torch.uint8, tuple(t.shape), pages=PagedTarget(pool.numpy(), ids.numpy(), t.numel()))
+    pieces = list(tensor_pieces(t, piece_bytes))
+    for piece, data in reversed(pieces):
+        asm.add(piece, data)
+    assert asm.complete
+    want = torch.zeros_like(pool)
+    flat = torch.cat([t.reshape(-1), torch.zeros(len(ids) * pool.shape[1] - t.numel(), dtype=torch.uint8)])
+    want[ids] = flat.view(len(ids), -1)
+    assert torch.equal(pool, want)
+    with pytest.raises(ValueError, match="do not fill"):
+        PagedTarget(pool.numpy(), ids.numpy(), 2 * pool.shape[1])
 
 
 def test_block_hashes_are_equal_across_processes():

@@ -2,17 +2,23 @@
 
 Nothing is used until ``finish()`` has checked that the stream is complete and consistent; on any
 error the caller releases the reservation and the request is never decoded.
+
+Streams may be taken on several threads (socket lanes place their messages on threads of their own): every
+message is taken under one lock, and ``close()`` (before the reservation is released) waits out the message
+being taken and refuses the rest, so no byte lands in pages that are no longer this request's.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.cache.tensors import CacheTensors
 from engine.fingerprint import Fingerprint
-from engine.kv_transfer.codec import HandoffError, TensorAssembler
+from engine.kv_transfer.codec import HandoffError, PagedTarget, TensorAssembler
 from engine.kv_transfer.wire import ReceivedChunk
 from engine.model_config import ModelConfig
 from engine.request import TokenLogprobs
@@ -44,6 +50,14 @@ def _byte_view(t: torch.Tensor) -> memoryview | None:
     if t.device.type != "cpu" or not t.is_contiguous():
         return None
     return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def _page_bytes(pool: torch.Tensor) -> np.ndarray | None:
+    """A CPU page pool as [pages, page_bytes] uint8 (kv parts are written straight into it); None for a
+    device pool, whose parts are assembled on the host and copied in when complete."""
+    if pool.device.type != "cpu" or not pool.is_contiguous():
+        return None
+    return pool.view(pool.shape[0], -1).view(torch.uint8).numpy()
 
 
 def fingerprint_to_pb(f: Fingerprint) -> cpb.Fingerprint:
@@ -95,7 +109,7 @@ class HandoffConsumer:
         self._parts: dict[tuple, TensorAssembler] = {}
         self._done: set[tuple] = set()
         self._kv_pages: set[tuple[int, int]] = set()  # (layer, page) of every kv part begun
-        self._kv_bytes = {layer: _byte_view(t) for layer, t in cache.kv.items()}
+        self._kv_pools = {layer: _page_bytes(t) for layer, t in cache.kv.items()}
         self._header = False
         self._first: pb.FirstToken | None = None
         self._hashes: list[bytes] = []
@@ -110,15 +124,33 @@ class HandoffConsumer:
         """Where lanes 1.. are pulled when the producer serves them on sockets (header.data_endpoint)."""
         self.num_kv_parts = 0
         self._aux: dict[int, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._crc: int | None = None  # the message being taken: its payload's CRC where the receiver computed it
+
+    def close(self) -> None:
+        """No message is taken after this returns (one being taken on another thread is waited for)."""
+        with self._lock:
+            self._closed = True
+
+    def _unpack(self, msg: pb.HandoffChunk | ReceivedChunk) -> tuple[pb.HandoffChunk, memoryview | None]:
+        if self._closed:
+            raise HandoffError("the handoff was closed (abandoned by the decode worker)")
+        if isinstance(msg, ReceivedChunk):
+            self._crc = msg.crc32
+            return msg.chunk, msg.data
+        self._crc = None
+        return msg, None
 
     def accept(self, msg: pb.HandoffChunk | ReceivedChunk | None) -> HandoffResult | None:
         """Take one message; returns the result after a valid end marker. ``msg``: as parsed by protobuf,
         or by wire.parse_chunk (payload apart); None where gRPC could not deserialize it."""
         if msg is None:
             raise HandoffError("a handoff message could not be decoded")
-        data = None
-        if isinstance(msg, ReceivedChunk):
-            msg, data = msg.chunk, msg.data
+        with self._lock:
+            return self._accept_main(*self._unpack(msg))
+
+    def _accept_main(self, msg: pb.HandoffChunk, data: memoryview | None) -> HandoffResult | None:
         which = msg.WhichOneof("payload")
         if which != "header" and not self._header:
             raise HandoffError(f"handoff began with {which!r}, expected the header")
@@ -167,9 +199,12 @@ class HandoffConsumer:
     ) -> HandoffResult | None:
         if msg is None:
             raise HandoffError(f"a message of {stream} could not be decoded")
-        data = None
-        if isinstance(msg, ReceivedChunk):
-            msg, data = msg.chunk, msg.data
+        with self._lock:
+            return self._accept_side_locked(tally, stream, *self._unpack(msg))
+
+    def _accept_side_locked(
+        self, tally: _Tally, stream: str, msg: pb.HandoffChunk, data: memoryview | None
+    ) -> HandoffResult | None:
         which = msg.WhichOneof("payload")
         self._cur = tally
         if which == "end":
@@ -265,7 +300,7 @@ class HandoffConsumer:
         layer, p0, n = part.layer, part.page_index, part.num_tokens
         key = ("kv", layer, p0, n)
         asm = self._parts.get(key) or self._begin_kv(layer, p0, n)
-        self._cur.payload += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data, self._crc)
         if asm.complete:
             if asm.buf is not None:  # assembled on the host (a device cache): into the pages now
                 self._place_rows(layer, p0, n, asm.tensor())
@@ -296,23 +331,13 @@ class HandoffConsumer:
             if (layer, p) in self._kv_pages:
                 raise HandoffError(f"kv layer {layer} page {p} received twice")
         self._kv_pages.update((layer, p) for p in pages)
-        flat = self._kv_bytes[layer]
-        segments = None
-        if flat is not None:  # write into the reserved pages directly; consecutive page ids are one segment
-            page_bytes = len(flat) // self.cache.kv[layer].shape[0]
-            row_bytes = page_bytes // ps
-            segments = []
-            for j, p in enumerate(pages):
-                at = self.page_ids[p] * page_bytes
-                size = min(n - j * ps, ps) * row_bytes
-                last = segments[-1] if segments else None
-                if last is not None and last[0] + last[1] == at:
-                    segments[-1] = (last[0], last[1] + size)
-                else:
-                    segments.append((at, size))
-            segments = [flat[at : at + size] for at, size in segments]
+        pool = self._kv_pools[layer]
+        target = None
+        if pool is not None:  # write into the reserved pages directly
+            ids = np.asarray(self.page_ids[p0 : p0 + len(pages)], dtype=np.int64)
+            target = PagedTarget(pool, ids, n * (pool.shape[1] // ps))
         what = f"kv layer {layer} pages from {p0}"
-        asm = TensorAssembler(what, self.dtype, (n, *self.cfg.kv_entry_shape), segments)
+        asm = TensorAssembler(what, self.dtype, (n, *self.cfg.kv_entry_shape), pages=target)
         self._parts[("kv", layer, p0, n)] = asm
         return asm
 
@@ -331,7 +356,7 @@ class HandoffConsumer:
             asm = self._parts[key] = TensorAssembler(
                 what, pool.dtype, tuple(pool.shape[1:]), None if flat is None else [flat]
             )
-        self._cur.payload += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data, self._crc)
         if asm.complete:
             if asm.buf is not None:
                 pool[self.slot_ids[0]] = asm.tensor()
@@ -342,7 +367,7 @@ class HandoffConsumer:
         hidden = self.cfg.hidden_size
         shape = (len(ids) * hidden,)
         asm = self._assembler(("aux",), "aux hidden states", shape, _dtype(part.tensor.dtype))
-        self._cur.payload += asm.add(part.tensor, data)
+        self._cur.payload += asm.add(part.tensor, data, self._crc)
         if asm.complete:
             flat = asm.tensor().clone()
             self._aux = {layer: flat[j * hidden : (j + 1) * hidden] for j, layer in enumerate(ids)}

@@ -18,20 +18,27 @@ Frames (little-endian):
     error     u32 (2^31 | n), "CODE: details" (n bytes, UTF-8)   the lane is refused or its handoff failed;
                                                                  the connection closes after it
 
-A lane's messages are read straight into a buffer of the lane's own (``sock_recv_into``: one copy, by the
-kernel) and handed to the consumer, which verifies and copies each payload into the pages before the next is
-read. Both ends use TCP keepalive (a dead host is noticed in ~5 s); a dead process closes the socket at once.
+A lane's messages are read straight into buffers of the lane's own (``recv_into``: one copy, by the kernel)
+on a thread that also computes each payload's CRC-32 while it is in cache; a second thread hands them to the
+consumer, which verifies and copies each payload into the pages, while the first reads the next. Both ends
+use TCP keepalive (a dead host is noticed in ~5 s); a dead process closes the socket at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
 import socket
 import struct
+import threading
 from collections.abc import Callable
+from functools import partial
 
-from engine.kv_transfer.codec import HandoffError
+from google.protobuf.message import DecodeError
+
+from engine.kv_transfer.codec import HandoffError, crc32
 from engine.kv_transfer.lanes import HandoffLanes, LaneRefused
 from engine.kv_transfer.wire import ReceivedChunk, StreamCount, parse_chunk
 from tandem.rpc import prefill_pb2 as pb
@@ -119,15 +126,6 @@ async def serve_socket_lanes(
 # ---- consumer side ----------------------------------------------------------------------------------------
 
 
-async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview, what: str) -> None:
-    got = 0
-    while got < len(view):
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            raise SocketLaneFailed(what, "UNAVAILABLE", "the producer closed the connection mid-lane")
-        got += n
-
-
 async def _connect(loop: asyncio.AbstractEventLoop, host: str, port: str, what: str) -> socket.socket:
     """A non-blocking connected socket, within 5 s (the event loop keeps running meanwhile)."""
     try:
@@ -155,43 +153,153 @@ async def pull_socket_lane(
     buffer_bytes: int = 1 << 20,
 ) -> object:
     """Pull lane ``lane`` of handoff ``rid`` from ``endpoint`` ("host:port"), giving each message to
-    ``accept`` (the consumer's ``accept_lane``) until the end marker. Raises SocketLaneFailed (transport,
-    refusal) or whatever ``accept`` raises (HandoffError); cancelling closes the connection. Returns what
-    ``accept`` returned last that was not None (the consumer's result, when this lane completed the handoff)."""
+    ``accept`` (the consumer's ``accept_lane``, called on the lane's placing thread) until the end marker.
+    Raises SocketLaneFailed (transport, refusal) or whatever ``accept`` raises (HandoffError); cancelling
+    closes the connection. Returns what ``accept`` returned last that was not None (the consumer's result,
+    when this lane completed the handoff)."""
     what = f"socket lane {lane} at {endpoint}"
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")  # an IPv6 literal
     loop = asyncio.get_running_loop()
     sock = await _connect(loop, host, port, what)
+    threads = None
     try:
         keepalive(sock)
         req = pb.LanePullRequest(request_id=rid, lane=lane).SerializeToString()
         await loop.sock_sendall(sock, _U32.pack(len(req)) + req)
-        size, buf, result = bytearray(4), bytearray(buffer_bytes), None
-        while True:
-            try:
-                await _recv_exact(loop, sock, memoryview(size), what)
-            except OSError as e:
-                raise SocketLaneFailed(what, "UNAVAILABLE", str(e)) from None
-            n = _U32.unpack(size)[0]
-            if n & ERROR_FLAG:
-                body = bytearray(min(n & ~ERROR_FLAG, 65536))
-                await _recv_exact(loop, sock, memoryview(body), what)
-                code, _, details = body.decode(errors="replace").partition(": ")
-                raise SocketLaneFailed(what, code, details)
-            if n > MAX_FRAME:
-                raise HandoffError(f"{what}: a frame of {n} bytes (at most {MAX_FRAME})")
-            if n > len(buf):
-                buf = bytearray(n)
-            view = memoryview(buf)[:n]
-            await _recv_exact(loop, sock, view, what)
-            msg = parse_chunk(view)  # payload views buf: the consumer copies it into the pages in accept
-            result = accept(msg) or result
-            chunk = msg.chunk if isinstance(msg, ReceivedChunk) else msg
-            if chunk.WhichOneof("payload") == "end":
-                return result
+        sock.setblocking(True)  # from here on the lane's threads read it (and the reader closes it)
+        done: asyncio.Future = loop.create_future()
+        threads = _LaneThreads(sock, what, accept, buffer_bytes, partial(_settle, loop, done))
+        threads.start()
+        try:
+            return await done
+        finally:
+            threads.stop()
     finally:
-        sock.close()
+        if threads is None:
+            sock.close()
+
+
+def _settle(loop: asyncio.AbstractEventLoop, done: asyncio.Future, result: object, error: BaseException | None) -> None:
+    def settle() -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for this lane any more
+        loop.call_soon_threadsafe(settle)
+
+
+class _LaneThreads:
+    """A lane's two threads: ``receive`` reads each frame into one of a few buffers and computes its
+    payload's CRC-32 while the bytes are still in cache; ``place`` hands the parsed message to ``accept``
+    (which copies the payload into the pages). Both release the GIL for the bulk of their work (recv_into,
+    crc32, numpy's copy), so receiving the next message overlaps placing this one, and the event loop stays
+    free for the worker's other requests. A slow consumer stops the reader when the buffers run out (the
+    producer then waits on the socket): memory stays bounded."""
+
+    DEPTH = 3
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        what: str,
+        accept: Callable[[ReceivedChunk | pb.HandoffChunk], object],
+        buffer_bytes: int,
+        settle: Callable[[object, BaseException | None], None],
+    ) -> None:
+        self.sock, self.what, self.accept, self.settle = sock, what, accept, settle
+        self.free: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
+        for _ in range(self.DEPTH):
+            self.free.put(bytearray(buffer_bytes))
+        self.full: queue.SimpleQueue[tuple | BaseException] = queue.SimpleQueue()
+        self.stopped = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._receive, name=f"{what} receive", daemon=True),
+            threading.Thread(target=self._place, name=f"{what} place", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Wake both threads and let them end (the socket is shut, a blocked reader returns at once)."""
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        self.free.put(None)
+        self.full.put(SocketLaneFailed(self.what, "CANCELLED", "the lane was abandoned"))
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _recv_exact(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except OSError as e:
+                raise SocketLaneFailed(self.what, "UNAVAILABLE", str(e)) from None
+            if n == 0:
+                raise SocketLaneFailed(self.what, "UNAVAILABLE", "the producer closed the connection mid-lane")
+            got += n
+
+    def _receive(self) -> None:
+        size = bytearray(4)
+        try:
+            while not self.stopped.is_set():
+                self._recv_exact(memoryview(size))
+                n = _U32.unpack(size)[0]
+                if n & ERROR_FLAG:
+                    body = bytearray(min(n & ~ERROR_FLAG, 65536))
+                    self._recv_exact(memoryview(body))
+                    code, _, details = body.decode(errors="replace").partition(": ")
+                    raise SocketLaneFailed(self.what, code, details)
+                if n > MAX_FRAME:
+                    raise HandoffError(f"{self.what}: a frame of {n} bytes (at most {MAX_FRAME})")
+                buf = self.free.get()
+                if buf is None:
+                    return
+                if n > len(buf):
+                    buf = bytearray(n)
+                self._recv_exact(memoryview(buf)[:n])
+                try:
+                    msg = parse_chunk(memoryview(buf)[:n])
+                except DecodeError:
+                    raise HandoffError(f"{self.what}: a message could not be decoded") from None
+                if isinstance(msg, ReceivedChunk):
+                    msg = ReceivedChunk(msg.chunk, msg.data, crc32(msg.data))
+                self.full.put((buf, msg))
+                chunk = msg.chunk if isinstance(msg, ReceivedChunk) else msg
+                if chunk.WhichOneof("payload") == "end":
+                    return
+        except BaseException as e:
+            self.full.put(e)
+        finally:
+            self.sock.close()  # here, not on the loop: no other thread may still read this descriptor
+
+    def _place(self) -> None:
+        result, error = None, None
+        try:
+            while True:
+                item = self.full.get()
+                if isinstance(item, BaseException):
+                    raise item
+                buf, msg = item
+                result = self.accept(msg) or result
+                self.free.put(buf)  # its payload is in the pages now
+                chunk = msg.chunk if isinstance(msg, ReceivedChunk) else msg
+                if chunk.WhichOneof("payload") == "end":
+                    return
+        except BaseException as e:
+            error = e
+        finally:
+            if error is not None:
+                self.stop()  # the reader may wait for a buffer or a frame: release it
+            self.settle(result, error)
 
 
 __all__ = ["MAX_FRAME", "SocketLaneFailed", "error_frame", "keepalive", "pull_socket_lane", "serve_socket_lanes"]

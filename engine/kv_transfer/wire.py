@@ -44,6 +44,9 @@ class ReceivedChunk:
 
     chunk: pb.HandoffChunk
     data: memoryview
+    crc32: int | None = None
+    """``data``'s CRC-32 where the receiving thread computed it while the bytes were in cache (socket lanes);
+    None: the consumer computes it."""
 
 
 class EncodedChunk(NamedTuple):

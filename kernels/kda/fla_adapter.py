@@ -1,10 +1,11 @@
-"""KDA through fla-core 0.6.0: the only module that touches fla. Contract: kernels/kda/naive.py.
+"""KDA through fla-core 0.6.0: with recurrent_launch.py, the only module that touches fla. Contract: naive.py.
 
 - ``chunk_kda_varlen``: prefill / chunked prefill of a varlen batch (chunked WY form, 64-token chunks),
   from per-sequence fp32 initial states, optionally returning the chunk-boundary states.
 - ``fused_recurrent_kda_slots``: decode and spec verify, reading and writing the fp32 state pool in place
-  through slot indices. It wraps ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd``, which is **not**
-  public API (not re-exported by ``fla.ops.kda``); its slot contract is pinned by tests/kernels/test_kda_fla.py.
+  through slot indices. It launches fla's ``fused_recurrent_kda_fwd_kernel`` through
+  kernels/kda/recurrent_launch.py (the arguments of fla's ``fused_recurrent_kda_fwd``, with a tunable tile),
+  which is **not** public API; its slot contract is pinned by tests/kernels/test_kda_fla.py.
 
 fla is imported inside the functions, so the CPU engine (and any process that blocks fla, like the HF
 oracle tests) never imports it. Both paths L2-normalise q and k in the kernel (eps 1e-6 inside the sqrt)
@@ -19,6 +20,8 @@ import importlib.util
 from collections.abc import Sequence
 
 import torch
+
+from kernels.kda.recurrent_launch import RecurrentTile, launch_fused_recurrent_kda, tile_for
 
 FLA_VERSION = "0.6.0"
 
@@ -94,7 +97,9 @@ def chunk_kda_varlen(
     if return_intermediate_states:
         with torch.inference_mode():
             o, final, h = chunk_kda(q_, k_, v_, g_, b_, return_intermediate_states=True, **kwargs)
-        return o[0], final, h[0]
+        # the device-built chunk table (use_graph) is padded past the real chunks: so is h
+        num_chunks = int(((cu_cpu[1:] - cu_cpu[:-1] + 63) // 64).sum())
+        return o[0], final, h[0][:num_chunks]
     o, final = chunk_kda(q_, k_, v_, g_, b_, **kwargs)
     return o[0], final, None
 
@@ -109,6 +114,7 @@ def fused_recurrent_kda_slots(
     ssm_state_indices: torch.Tensor,
     num_accepted_tokens: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    tile: RecurrentTile | None = None,
 ) -> torch.Tensor:
     """Token-by-token KDA against a slot pool, in place (decode and speculative verify).
 
@@ -123,10 +129,9 @@ def fused_recurrent_kda_slots(
             Rollback is free: the next step reads the column of its last accepted token.
         num_accepted_tokens: [N] int32, >= 1 (2-D indices only).
         cu_seqlens: [N+1] offsets (2-D indices); zero-length sequences are skipped (padding).
+        tile: the kernel's launch tile; None: ``tile_for`` the number of sequences (measured on an H200).
     Returns: o [T, H, V] in v's dtype.
     """
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-
     _check_qkv(q, k, v, g, beta)
     h, kd, vd = q.shape[1], q.shape[2], v.shape[2]
     if state_pool.ndim != 4 or state_pool.shape[1:] != (h, kd, vd) or not state_pool.is_contiguous():
@@ -156,18 +161,8 @@ def fused_recurrent_kda_slots(
             num_accepted_tokens = num_accepted_tokens.to(device=q.device, dtype=torch.int32).contiguous()
     else:
         raise ValueError(f"ssm_state_indices must be 1-D or 2-D, got {idx.ndim}-D")
-    o, _ = fused_recurrent_kda_fwd(
-        q=q_,
-        k=k_,
-        v=v_,
-        g=g_,
-        beta=b_,
-        initial_state=state_pool,
-        inplace_final_state=True,
-        cu_seqlens=cu,
-        ssm_state_indices=idx,
-        num_accepted_tokens=num_accepted_tokens,
-        use_qk_l2norm_in_kernel=True,
+    o = launch_fused_recurrent_kda(
+        q_, k_, v_, g_, b_, state_pool, idx, num_accepted_tokens, cu, tile or tile_for(idx.shape[0])
     )
     return o.reshape(t, h, vd)
 

@@ -1,8 +1,9 @@
 """fla-core KDA through kernels/kda/fla_adapter.py vs kernels/kda/naive.py.
 
 ``fused_recurrent_kda_fwd`` (not public fla API) runs under the interpreter: these tests pin its slot contract
-(1-D decode indices; 2-D spec indices with ``num_accepted_tokens``). ``chunk_kda`` fails under the interpreter
-(InterpreterError in its state kernel), so its tests need CUDA.
+(1-D decode indices; 2-D spec indices with ``num_accepted_tokens``). kernels/kda/recurrent_launch.py launches
+its kernel with our own tile: every tile must reproduce fla's wrapper. ``chunk_kda`` fails under the
+interpreter (InterpreterError in its state kernel), so its tests need CUDA.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.kda.naive import kda_gate, naive_recurrent_kda
-from tests.kernels.helpers import DEVICE, assert_close, needs_cuda
+from kernels.kda.recurrent_launch import DEFAULT_RECURRENT_TILE, RecurrentTile, launch_fused_recurrent_kda, tile_for
+from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, needs_cuda
 
 pytestmark = pytest.mark.usefixtures("fla_unblocked")
 
@@ -56,6 +58,22 @@ def test_decode_1d_slots(h, k, v, dtype):
     assert_close("state", ref_pool, pool, ratio)
 
 
+def _ref_spec(q, kk, vv, g, beta, pool, idx, acc: list[int], cu: list[int]):
+    """Spec verify by the naive recurrence: sequence i starts from slot idx[i, acc[i] - 1] and writes the
+    state after its token t to idx[i, t]. Returns (o, the pool after)."""
+    ref_pool, ref_o = pool.clone(), torch.zeros(cu[-1], *vv.shape[1:], device=DEVICE)
+    for i in range(len(cu) - 1):
+        if cu[i + 1] == cu[i]:
+            continue
+        state = ref_pool[idx[i, acc[i] - 1]].clone()
+        for t in range(cu[i + 1] - cu[i]):
+            row = cu[i] + t
+            o, state = _ref_step(q, kk, vv, g, beta, slice(row, row + 1), state)
+            ref_o[row] = o[0]
+            ref_pool[idx[i, t]] = state
+    return ref_o, ref_pool
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_spec_2d_slots(varlen):
     """Read slot idx[n, acc-1]; write the state after token t to idx[n, t]; length-0 sequences are padding."""
@@ -69,16 +87,7 @@ def test_spec_2d_slots(varlen):
         cu.append(cu[-1] + ln)
     q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, seed=1)
     pool = torch.randn(1 + n * width, h, k, v, device=DEVICE) * 0.1
-    ref_pool, ref_o = pool.clone(), torch.zeros(cu[-1], h, v, device=DEVICE)
-    for i in range(n):
-        if lens[i] == 0:
-            continue
-        state = ref_pool[idx[i, acc[i] - 1]].clone()
-        for t in range(lens[i]):
-            row = cu[i] + t
-            o, state = _ref_step(q, kk, vv, g, beta, slice(row, row + 1), state)
-            ref_o[row] = o[0]
-            ref_pool[idx[i, t]] = state
+    ref_o, ref_pool = _ref_spec(q, kk, vv, g, beta, pool, idx, acc.tolist(), cu)
     cu_t = torch.tensor(cu, device=DEVICE) if varlen else None
     out = fused_recurrent_kda_slots(q, kk, vv, g, beta, pool, idx, acc, cu_seqlens=cu_t)
     assert_close("o", ref_o, out, 1e-5)
@@ -141,3 +150,165 @@ def test_chunk_kda_varlen(lens, dtype):
             assert_close(f"h[{i},{c}]", ref_c, states[chunk].float(), 2e-2)
             chunk += 1
     assert chunk == states.shape[0]
+
+
+# --- kernels/kda/recurrent_launch.py: fla's recurrent kernel with our own tile ---------------------------------
+
+TILE_BVS = (8, 16, 32, 64, 128)  # 32 is fla's; 64 and 128 exceed V=16/32 here (masked lanes)
+
+
+def _fla_wrapper(q, k, v, g, beta, pool, idx, acc=None, cu=None):
+    """fla's own wrapper (BV 32, 4 warps, 2 stages) on fla-layout inputs: what the launcher must reproduce."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    o, _ = fused_recurrent_kda_fwd(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        initial_state=pool,
+        inplace_final_state=True,
+        cu_seqlens=cu,
+        ssm_state_indices=idx,
+        num_accepted_tokens=acc,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o
+
+
+def _same(name: str, ref: torch.Tensor, out: torch.Tensor) -> None:
+    """Same launch, other tile: bit-for-bit under the interpreter (numpy reduces each V column alike whatever
+    BV is). On a GPU the tile changes the layout, hence the K-reduction order: fp32 within 1e-6 (+ a few ulp),
+    a bf16 output within one bf16 ulp (a last-bit fp32 difference can flip its rounding)."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert out.dtype == ref.dtype, f"{name}: dtype {out.dtype} != {ref.dtype}"
+    if not ON_CUDA:
+        rtol = atol = 0.0
+    else:
+        rtol, atol = (1e-5 if out.dtype == torch.float32 else 2**-7), 1e-6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("k", "v"), [(16, 16), (32, 32)], ids=["kv16", "kv32"])
+@pytest.mark.parametrize("bv", TILE_BVS)
+def test_tile_decode_matches_fla(bv, k, v, dtype):
+    """Decode through the adapter with a tile: 3 sequences on permuted slots of an 8-slot pool."""
+    h, n = 2, 3
+    q, kk, vv, g, beta = _inputs(n, h, k, v, dtype, seed=10 + bv)
+    pool = torch.randn(8, h, k, v, generator=torch.Generator().manual_seed(bv)).to(DEVICE) * 0.1
+    slots = torch.randperm(8, generator=torch.Generator().manual_seed(bv))[:n].to(DEVICE)
+    ref_pool, ref_o = pool.clone(), []
+    for i in range(n):
+        o, s = _ref_step(q, kk, vv, g, beta, slice(i, i + 1), ref_pool[slots[i]])
+        ref_o.append(o)
+        ref_pool[slots[i]] = s
+    fla_pool = pool.clone()
+    fla_o = _fla_wrapper(*(x[:, None] for x in (q, kk, vv, g, beta)), fla_pool, slots.to(torch.int32))[:, 0]
+    out = fused_recurrent_kda_slots(q, kk, vv, g, beta, pool, slots, tile=RecurrentTile(bv=bv))
+    _same("o vs fla", fla_o, out)
+    _same("pool vs fla", fla_pool, pool)
+    ratio = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close("o vs naive", torch.cat(ref_o), out, ratio)
+    assert_close("pool vs naive", ref_pool, pool, ratio)
+
+
+@pytest.mark.parametrize(("k", "v"), [(16, 16), (32, 32)], ids=["kv16", "kv32"])
+@pytest.mark.parametrize("bv", TILE_BVS)
+def test_tile_spec_matches_fla(bv, k, v):
+    """Spec verify through the launcher: 2-D permuted slots, accepted counts, varlen with a padding sequence."""
+    h, width = 2, 3
+    lens, acc_l = [3, 0, 2, 1], [2, 1, 3, 1]
+    n, num_slots = len(lens), 4 * width + 3
+    cu = [0]
+    for ln in lens:
+        cu.append(cu[-1] + ln)
+    q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, seed=20 + bv)
+    gen = torch.Generator().manual_seed(bv)
+    pool = (torch.randn(num_slots, h, k, v, generator=gen) * 0.1).to(DEVICE)
+    idx = torch.randperm(num_slots, generator=gen)[: n * width].view(n, width).to(DEVICE, torch.int32)
+    acc = torch.tensor(acc_l, dtype=torch.int32, device=DEVICE)
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=DEVICE)
+    ref_o, ref_pool = _ref_spec(q, kk, vv, g, beta, pool, idx, acc_l, cu)
+    flat = [x[None] for x in (q, kk, vv, g, beta)]
+    fla_pool = pool.clone()
+    fla_o = _fla_wrapper(*flat, fla_pool, idx, acc, cu_t)
+    out = launch_fused_recurrent_kda(*flat, pool, idx, acc, cu_t, RecurrentTile(bv=bv))
+    _same("o vs fla", fla_o, out)
+    _same("pool vs fla", fla_pool, pool)
+    assert_close("o vs naive", ref_o, out[0], 1e-5)
+    assert_close("pool vs naive", ref_pool, pool, 1e-5)
+
+
+def test_default_tile_is_fla_wrapper_tile():
+    """DEFAULT_RECURRENT_TILE must stay fla's own choice: a pin on the pinned wrapper's source."""
+    import inspect
+
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    src = inspect.getsource(inspect.unwrap(fused_recurrent_kda_fwd))
+    tile = DEFAULT_RECURRENT_TILE
+    assert f"BV = {tile.bv}\n" in src
+    assert f"num_warps={tile.num_warps}," in src and f"num_stages={tile.num_stages}," in src
+    assert tile == RecurrentTile(32, 4, 2)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"bv": 4}, "bv"),
+        ({"bv": 12}, "bv"),
+        ({"bv": 256}, "bv"),
+        ({"bv": 32.0}, "bv"),
+        ({"num_warps": 3}, "num_warps"),
+        ({"num_warps": 16}, "num_warps"),
+        ({"num_stages": 0}, "num_stages"),
+        ({"num_stages": 5}, "num_stages"),
+        ({"num_stages": True}, "num_stages"),
+    ],
+)
+def test_recurrent_tile_validates(kw, field):
+    with pytest.raises(ValueError, match=rf"RecurrentTile\.{field} must be"):
+        RecurrentTile(**kw)
+
+
+def test_launcher_validates():
+    q, kk, vv, g, beta = (x[None] for x in _inputs(2, 2, 16, 16))
+    pool = torch.zeros(4, 2, 16, 16, device=DEVICE)
+    with pytest.raises(TypeError, match="RecurrentTile"):
+        launch_fused_recurrent_kda(q, kk, vv, g, beta, pool, torch.tensor([0], device=DEVICE), None, None, (8, 4, 2))
+    idx = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE).expand(2, 3)  # last-dim stride 0
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        launch_fused_recurrent_kda(q, kk, vv, g, beta, pool, idx, None, None)
+    with pytest.raises(ValueError, match="out must be"):
+        launch_fused_recurrent_kda(q, kk, vv, g, beta, pool, idx[:, 0], None, None, out=torch.empty_like(q[..., :8]))
+
+
+def test_launcher_passes_the_tile(monkeypatch):
+    """The tile reaches the launch (outputs alone cannot tell: every tile computes the same thing)."""
+    import fla.ops.kda.fused_recurrent as fr
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(**kw):
+                seen.append((grid, kw["BV"], kw["num_warps"], kw["num_stages"]))
+                return fr_kernel[grid](**kw)
+
+            return launch
+
+    fr_kernel = fr.fused_recurrent_kda_fwd_kernel
+    monkeypatch.setattr(fr, "fused_recurrent_kda_fwd_kernel", Spy())
+    q, kk, vv, g, beta = _inputs(3, 2, 16, 32)
+    pool = torch.zeros(5, 2, 16, 32, device=DEVICE)
+    slots = torch.tensor([4, 1, 2], device=DEVICE)
+    fused_recurrent_kda_slots(q, kk, vv, g, beta, pool, slots, tile=RecurrentTile(8, 2, 3))
+    fused_recurrent_kda_slots(q, kk, vv, g, beta, pool, slots)  # tile_for(3): 32 columns, 2 warps
+    assert seen == [((4 * 3 * 2,), 8, 2, 3), ((1 * 3 * 2,), 32, 2, 2)]
+
+
+@pytest.mark.parametrize(("n", "bv"), [(1, 32), (47, 32), (48, 64), (512, 64)])
+def test_tile_for_the_batch(n, bv):
+    assert tile_for(n) == RecurrentTile(bv=bv, num_warps=2, num_stages=2)
