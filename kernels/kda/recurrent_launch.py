@@ -13,6 +13,7 @@ fla and triton are imported inside the function: importing this module never nee
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,12 @@ class RecurrentTile:
 DEFAULT_RECURRENT_TILE = RecurrentTile()  # fla-core 0.6.0's own choice
 
 
+@functools.cache  # per launch on the eager decode path: build (and validate) each tile once
 def tile_for(num_seqs: int) -> RecurrentTile:
     """The tile for a step of ``num_seqs`` sequences, from ``python -m bench.kda_recurrent_sweep`` on an H200
     (32 heads x 128 x 128, docs/PERFORMANCE.md): 2 warps beat fla's 4 at every batch (N=16: 24.2 vs 27.2 us),
     and 64 columns per program win once the grid is large (N=64: 75.4 vs 83.7 us, 85 % of copy bandwidth)."""
     return RecurrentTile(bv=64 if num_seqs >= 48 else 32, num_warps=2, num_stages=2)
-
-
-def _next_power_of_2(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
 
 
 def launch_fused_recurrent_kda(
@@ -76,6 +74,8 @@ def launch_fused_recurrent_kda(
     Returns o [B, T, HV, V] in v's dtype.
     """
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
+
+    from kernels.triton_utils import next_pow2  # imports triton, as fla just did
 
     if not isinstance(tile, RecurrentTile):
         raise TypeError(f"tile must be a RecurrentTile, got {type(tile).__name__}")
@@ -113,7 +113,7 @@ def launch_fused_recurrent_kda(
         HV=hv,
         K=kd,
         V=vd,
-        BK=_next_power_of_2(kd),
+        BK=next_pow2(kd),
         BV=tile.bv,
         stride_init_state_token=state_pool.stride(0),
         stride_final_state_token=state_pool.stride(0),
