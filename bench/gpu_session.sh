@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh pcp-trace      # 2 x H200: Kimi mid 16k / 64k, one GPU and pcp2, with host+device
 #                                            # traces of every rank and where each GPU waited (bench/mid/gaps.py)
 #   bash bench/gpu_session.sh mla-sweep      # 1 x H200: launch parameters of the MLA latent decode kernel
+#   bash bench/gpu_session.sh mla-prefill    # 1 x H200: MLA prefill with no prefix, Triton vs torch SDPA backends
 #   bash bench/gpu_session.sh moe-decode     # 1 x H200: kernels/moe/decode.py vs the grouped path (check + tiles),
 #                                            # then decode steps with them (the default since the sixth session)
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
@@ -29,7 +30,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|moe-decode|conv-sweep|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|conv-sweep|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -44,6 +45,7 @@ case "$step" in
       --workloads pcp --pcp-lens 16384 65536 --repeat 1 --trace-dir "$OUT/traces" --out "$OUT/pcp_trace.json" "$@"
     python -m bench.mid.gaps "$OUT"/rank_traces/*-trace.json.gz | tee "$OUT/rank_gaps.txt" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
+  mla-prefill) python -m bench.mla_prefill_sdpa --out "$OUT/mla_prefill_sdpa.json" "$@" ;;
   moe-decode) python -m bench.gpu_kernels_check --only moe | tee "$OUT/moe_check.txt"
     TANDEM_MOE_DECODE_KERNELS=1 python -m bench.gpu_mid --parts tandem --prefill 8192 --ctx 4096 32768 \
       --batches 1 16 64 --decode-steps 20 --repeat 2 --out "$OUT/mid_tandem_moe_decode.json" "$@" ;;

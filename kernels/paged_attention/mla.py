@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.mla_decode import mla_decode_fwd
+from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable
 from kernels.paged_attention.triton import _check_varlen, attention_fwd
 from kernels.triton_utils import check_device
 from kernels.upload import upload
@@ -127,13 +129,37 @@ class MLAPart:
     """One launch of an MLA step: a subset of sequences in one form.
 
     rows: their query rows in the batch (None: all rows, in order); meta: kernel metadata;
-    latent_rows: flat latent-cache rows of their contexts, sequences concatenated (expanded form only).
+    latent_rows: flat latent-cache rows of their contexts, sequences concatenated (expanded form only);
+    self_lens: set when every sequence of an expanded part has no prefix (its keys are its own query rows,
+    at consecutive positions): their lengths, for the SDPA path (``sdpa_prefill.py``).
     """
 
     expanded: bool
     rows: torch.Tensor | None
     meta: AttnMeta
     latent_rows: torch.Tensor | None
+    self_lens: tuple[int, ...] | None = None
+
+
+def mla_self_attention_sdpa(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    seq_lens: Sequence[int],
+    kv_b_weight: torch.Tensor,
+    kv_lora_rank: int,
+    qk_nope_head_dim: int,
+    v_head_dim: int,
+    scale: float,
+    backend: SDPBackend = SDPBackend.CUDNN_ATTENTION,
+) -> torch.Tensor:
+    """The expanded form for sequences with no prefix (``latent`` holds exactly their rows, in query order),
+    through torch SDPA: keys ``k_nope | k_pe`` made whole ([T, H, nope + rope], k_pe repeated per head)."""
+    h = q.shape[1]
+    kv = torch.nn.functional.linear(latent[:, :kv_lora_rank], kv_b_weight.to(latent.dtype))
+    kv = kv.view(latent.shape[0], h, qk_nope_head_dim + v_head_dim)
+    k_pe = latent[:, None, kv_lora_rank:].expand(latent.shape[0], h, latent.shape[1] - kv_lora_rank)
+    k = torch.cat([kv[..., :qk_nope_head_dim], k_pe], dim=-1)
+    return causal_self_attention(q, k, kv[..., qk_nope_head_dim:], seq_lens, scale, backend)
 
 
 def plan_mla(
@@ -156,11 +182,18 @@ def plan_mla(
     n = len(context_lens)
     q_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(n)]
     use_expanded = [expand_min_q_len is not None and ql >= expand_min_q_len for ql in q_lens]
+    # expanded sequences with no prefix (keys = their own rows, consecutive positions) get a launch of their
+    # own, which the SDPA path may take (run_mla); "absorbed" / "expanded" / "self"
+    form = [
+        ("self" if q_pos0 is None and q_lens[i] == context_lens[i] else "expanded") if use_expanded[i] else "absorbed"
+        for i in range(n)
+    ]
     parts = []
-    for expanded in (False, True):
-        seqs = [i for i in range(n) if use_expanded[i] == expanded]
+    for kind in ("absorbed", "expanded", "self"):
+        seqs = [i for i in range(n) if form[i] == kind]
         if not seqs:
             continue
+        expanded = kind != "absorbed"
         rows = None
         if len(seqs) < n:
             rows = upload(torch.cat([torch.arange(query_start_loc[i], query_start_loc[i + 1]) for i in seqs]), device)
@@ -169,15 +202,18 @@ def plan_mla(
         sub_p0 = None if q_pos0 is None else [q_pos0[i] for i in seqs]
         pos = dict(q_pos0=sub_p0, pos_stride=pos_stride)
         sub_bt = block_tables if len(seqs) == n else block_tables[torch.tensor(seqs, device=block_tables.device)]
+        self_lens = None
         if expanded:
             kv_start = [sum(sub_ctx[:j]) for j in range(len(seqs))]
             meta = build_attn_meta(sub_ql, sub_ctx, 1, 64, device, kv_start=kv_start, **pos)
             latent_rows = gather_latent_rows(sub_bt, sub_ctx, page_size)
+            if kind == "self":
+                self_lens = tuple(sub_ql)
         else:
             block_m = default_block_m(num_heads, max(sub_ql), kv_lora_rank)
             meta = build_attn_meta(sub_ql, sub_ctx, num_heads, block_m, device, block_tables=sub_bt, **pos)
             latent_rows = None
-        parts.append(MLAPart(expanded, rows, meta, latent_rows))
+        parts.append(MLAPart(expanded, rows, meta, latent_rows, self_lens))
     return parts
 
 
@@ -199,7 +235,11 @@ def run_mla(
         sub_q = q if part.rows is None else q[part.rows]
         if part.expanded:
             latent = latent_cache.view(-1, latent_cache.shape[-1])[part.latent_rows]
-            o = mla_expanded(sub_q, latent, part.meta, kv_b_weight, kv_lora_rank, qk_nope_head_dim, v_head_dim, scale)
+            dims = (kv_lora_rank, qk_nope_head_dim, v_head_dim)
+            if part.self_lens is not None and cudnn_self_attention_usable(q.dtype, q.device, q.shape[-1], v_head_dim):
+                o = mla_self_attention_sdpa(sub_q, latent, part.self_lens, kv_b_weight, *dims, scale)
+            else:
+                o = mla_expanded(sub_q, latent, part.meta, kv_b_weight, *dims, scale)
         else:
             o = mla_absorbed(
                 sub_q,

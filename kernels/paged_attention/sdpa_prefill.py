@@ -1,0 +1,78 @@
+"""Causal self-attention of prefill sequences that have no cached prefix, through torch SDPA's cuDNN backend.
+
+Why: MLA's expanded prefill (``mla.mla_expanded``: per-head keys 128 + 64, values 128) is compute-bound, and
+on the H200 cuDNN's fused attention ran it at 536 / 584 TFLOP/s against our Triton kernel's 320 / 332 at 8k /
+32k tokens (1.68x / 1.76x, ``bench/mla_prefill_sdpa.py``, docs/PERFORMANCE.md). The issue allows torch SDPA
+where there is no prefix: a sequence whose keys are exactly its own query rows (first prefill chunk, no
+prefix-cache hit, consecutive positions), so SDPA's square causal mask is the right one. Everything else
+(a prefix in pages, PCP's strided rows, fp32, the CPU) stays on the Triton kernel / the torch reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# TANDEM_MLA_PREFILL_SDPA=0 keeps every prefill launch on the Triton kernel (A/B runs).
+MLA_PREFILL_SDPA = os.environ.get("TANDEM_MLA_PREFILL_SDPA", "1") != "0"
+
+
+@functools.cache
+def _cudnn_runs(dtype: torch.dtype, device: torch.device, d_qk: int, d_v: int) -> bool:
+    """One tiny call: this build's cuDNN takes these head dims (it raises for shapes it has no kernel for)."""
+    q = torch.zeros(1, 2, 8, d_qk, dtype=dtype, device=device)
+    v = torch.zeros(1, 2, 8, d_v, dtype=dtype, device=device)
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, q, v, is_causal=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def cudnn_self_attention_usable(dtype: torch.dtype, device: torch.device, d_qk: int, d_v: int) -> bool:
+    """Whether ``causal_self_attention`` may take cuDNN here: CUDA, 16-bit, and a probe that ran."""
+    if not MLA_PREFILL_SDPA or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return torch.backends.cudnn.is_available() and _cudnn_runs(dtype, device, d_qk, d_v)
+
+
+def causal_self_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: Sequence[int],
+    scale: float,
+    backend: SDPBackend = SDPBackend.CUDNN_ATTENTION,
+) -> torch.Tensor:
+    """q / k [T, H, Dqk], v [T, H, Dv] of sequences laid end to end (``seq_lens`` rows each, every row a query
+    and a key of its own sequence at consecutive positions) -> [T, H, Dv], each row attending to its
+    sequence's rows up to itself. One SDPA call per sequence (prefill batches here are a few long prompts).
+    ``backend``: tests on the CPU pass the math backend."""
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[2] == k.shape[2]):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, H, D] alike")
+    if sum(seq_lens) != q.shape[0] or min(seq_lens, default=1) < 1:
+        raise ValueError(f"seq_lens {list(seq_lens)} must be positive and add up to the {q.shape[0]} rows")
+    out = v.new_empty(v.shape)
+    start = 0
+    with sdpa_kernel(backend):
+        for n in seq_lens:
+            rows = slice(start, start + n)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None],
+                k[rows].transpose(0, 1)[None],
+                v[rows].transpose(0, 1)[None],
+                is_causal=True,
+                scale=scale,
+            )
+            out[rows] = o[0].transpose(0, 1)
+            start += n
+    return out
+
+
+__all__ = ["MLA_PREFILL_SDPA", "causal_self_attention", "cudnn_self_attention_usable"]
