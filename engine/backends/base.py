@@ -77,7 +77,8 @@ class KDABackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """KDA over q, k, g [T, H, K], v [T, H, V], beta [T, H] (q/k un-normalised; g log-decay);
-        reads and updates state_cache[slot] ([slots, H, K, V] fp32). Returns o [T, H, V] fp32.
+        reads and updates state_cache[slot] ([slots, H, K, V] fp32). Returns o [T, H, V] in fp32 or
+        in v's dtype (the caller casts it to the model's dtype).
         For each (pos, dst) in batch.checkpoints[i], also writes the state after `pos` tokens to
         state_cache[dst] (rung checkpoints for the prefix cache)."""
 

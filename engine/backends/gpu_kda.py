@@ -226,15 +226,17 @@ class GPUKDABackend(KDABackend):
             state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
         for slot, dst in m.pre_copies:
             state_cache[dst] = state_cache[slot]
+        # o stays in fla's output dtype (v's): the model casts it to its own dtype (v's) next, so widening it
+        # to fp32 here was a lossless round trip of two full-size copies per layer
         if m.all_decode:
-            out = fused_recurrent_kda_slots(q, k, v, g, beta, state_cache, m.dec_slots).float()
+            out = fused_recurrent_kda_slots(q, k, v, g, beta, state_cache, m.dec_slots)
             for slot, dst in m.dec_copies:
                 state_cache[dst] = state_cache[slot]
             return out
-        out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
+        out = None if m.rows_are_all else torch.empty(*v.shape, dtype=v.dtype, device=v.device)
         if m.dec_rows is not None:
             sel = (x[m.dec_rows] for x in (q, k, v, g, beta))
-            out[m.dec_rows] = fused_recurrent_kda_slots(*sel, state_cache, m.dec_slots).float()
+            out[m.dec_rows] = fused_recurrent_kda_slots(*sel, state_cache, m.dec_slots)
             for slot, dst in m.dec_copies:
                 state_cache[dst] = state_cache[slot]
         for rows, slots, cu, copies, needs_h in m.rounds:
@@ -244,9 +246,9 @@ class GPUKDABackend(KDABackend):
             for kind, index, dst in copies:
                 state_cache[dst] = (final if kind == "final" else h)[index].to(state_cache.dtype)
             if m.rows_are_all:
-                out.copy_(o)
+                out = o
             else:
-                out[rows] = o.float()
+                out[rows] = o
         return out
 
 
