@@ -1,11 +1,12 @@
 """Causal self-attention of prefill sequences that have no cached prefix, through torch SDPA's cuDNN backend.
 
 Why: MLA's expanded prefill (``mla.mla_expanded``: per-head keys 128 + 64, values 128) is compute-bound, and
-on the H200 cuDNN's fused attention ran it at 536 / 584 TFLOP/s against our Triton kernel's 320 / 332 at 8k /
-32k tokens (1.68x / 1.76x, ``bench/mla_prefill_sdpa.py``, docs/PERFORMANCE.md). The issue allows torch SDPA
-where there is no prefix: a sequence whose keys are exactly its own query rows (first prefill chunk, no
-prefix-cache hit, consecutive positions), so SDPA's square causal mask is the right one. Everything else
-(a prefix in pages, PCP's strided rows, fp32, the CPU) stays on the Triton kernel / the torch reference.
+on the H200 cuDNN's fused attention (keys built as here) ran it at 516 / 580 TFLOP/s against our Triton
+kernel's 317 / 336 at 8k / 32k tokens (1.63x / 1.72x, ``bench/mla_prefill_sdpa.py``, docs/PERFORMANCE.md).
+The issue allows torch SDPA where there is no prefix: a sequence whose keys are exactly its own query rows
+(first prefill chunk, no prefix-cache hit, consecutive positions), so SDPA's square causal mask is the right
+one. Everything else (a prefix in pages, PCP's strided rows, fp32, the CPU) stays on the Triton kernel / the
+torch reference.
 """
 
 from __future__ import annotations
