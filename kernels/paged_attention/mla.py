@@ -78,6 +78,16 @@ def mla_absorbed(
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
 
 
+def _expand_latent(
+    latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, kv_lora_rank: int, nope_plus_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latent rows [R, rank + rope] -> (k_nope | v [R, H, nope + v], k_pe [R, H, rope] with head stride 0)."""
+    kv = torch.nn.functional.linear(latent[:, :kv_lora_rank], kv_b_weight.to(latent.dtype))
+    kv = kv.view(latent.shape[0], num_heads, nope_plus_v)
+    k_pe = latent[:, None, kv_lora_rank:].expand(latent.shape[0], num_heads, latent.shape[1] - kv_lora_rank)
+    return kv, k_pe
+
+
 def mla_expanded(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -93,10 +103,7 @@ def mla_expanded(
     k_nope | v = c_kv . kv_b^T ([R_total, H, nope + v]); k_pe is read from the latent with head stride 0.
     Cheaper than the absorbed form for long query chunks (see README.md).
     """
-    h = q.shape[1]
-    kv = torch.nn.functional.linear(latent[:, :kv_lora_rank], kv_b_weight.to(latent.dtype))
-    kv = kv.view(latent.shape[0], h, qk_nope_head_dim + v_head_dim)
-    k_pe = latent[:, None, kv_lora_rank:].expand(latent.shape[0], h, latent.shape[1] - kv_lora_rank)
+    kv, k_pe = _expand_latent(latent, kv_b_weight, q.shape[1], kv_lora_rank, qk_nope_head_dim + v_head_dim)
     return attention_fwd(
         q[..., :qk_nope_head_dim],
         kv[..., :qk_nope_head_dim],
@@ -154,10 +161,7 @@ def mla_self_attention_sdpa(
 ) -> torch.Tensor:
     """The expanded form for sequences with no prefix (``latent`` holds exactly their rows, in query order),
     through torch SDPA: keys ``k_nope | k_pe`` made whole ([T, H, nope + rope], k_pe repeated per head)."""
-    h = q.shape[1]
-    kv = torch.nn.functional.linear(latent[:, :kv_lora_rank], kv_b_weight.to(latent.dtype))
-    kv = kv.view(latent.shape[0], h, qk_nope_head_dim + v_head_dim)
-    k_pe = latent[:, None, kv_lora_rank:].expand(latent.shape[0], h, latent.shape[1] - kv_lora_rank)
+    kv, k_pe = _expand_latent(latent, kv_b_weight, q.shape[1], kv_lora_rank, qk_nope_head_dim + v_head_dim)
     k = torch.cat([kv[..., :qk_nope_head_dim], k_pe], dim=-1)
     return causal_self_attention(q, k, kv[..., qk_nope_head_dim:], seq_lens, scale, backend)
 

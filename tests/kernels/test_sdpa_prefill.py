@@ -11,7 +11,12 @@ from torch.nn.attention import SDPBackend
 import kernels.paged_attention.mla as mla
 import kernels.paged_attention.sdpa_prefill as sp
 from kernels.paged_attention.meta import pack_block_tables
-from kernels.paged_attention.mla import mla_self_attention_sdpa, paged_mla_attention_triton, plan_mla
+from kernels.paged_attention.mla import (
+    gather_latent_rows,
+    mla_self_attention_sdpa,
+    paged_mla_attention_triton,
+    plan_mla,
+)
 from kernels.paged_attention.naive import causal_attention, paged_mla_attention
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
 
@@ -63,9 +68,7 @@ def test_mla_self_attention_matches_the_reference():
     q = torch.randn(qsl[-1], h, nope + rope, generator=g)
     scale = (nope + rope) ** -0.5
     ref = paged_mla_attention(q, latent_cache, qsl, lens, tables, kv_b, rank, nope, vd, scale)
-    rows = torch.cat(
-        [(t[:, None] * page_size + torch.arange(page_size)).flatten()[:n] for t, n in zip(tables, lens, strict=True)]
-    )
+    rows = gather_latent_rows(pack_block_tables(tables, torch.device("cpu")), lens, page_size)
     latent = latent_cache.view(-1, rank + rope)[rows]
     out = mla_self_attention_sdpa(q, latent, lens, kv_b, rank, nope, vd, scale, MATH)
     assert_close("o", ref, out, tol(torch.float32))
