@@ -715,6 +715,29 @@ def section_engine(rep: Report, quick: bool) -> None:
     rep.note("possible; a mismatch here means: rerun with TANDEM_BACKEND=torch vs auto and compare logits.")
 
 
+def section_router(rep: Report, quick: bool) -> None:
+    """The MoE router's fp32 logits (engine/models/layers.router_logits): HF's fp32 GEMM (SIMT sgemm) vs one
+    bf16 GEMM with fp32 accumulation and output, both against fp64; and how often the top-8 experts differ."""
+    import torch.nn.functional as F
+
+    from engine.models.layers import router_logits
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for t in (1, 64, 8192):
+        x = torch.randn(t, 2304, device=DEV).to(BF16)
+        w = (torch.randn(256, 2304, device=DEV) * 2304**-0.5).to(BF16)
+        w32 = w.float()
+        want = F.linear(x.double(), w.double())
+        fp32 = F.linear(x.float(), w32)
+        ms = timed(lambda: F.linear(x.float(), w32))  # noqa: B023
+        rep.check(f"router T={t}: fp32 GEMM vs fp64", want, fp32, ms, rel_tol=1e-6)
+        got = router_logits(x, w, w32)
+        ms = timed(lambda: router_logits(x, w, w32))  # noqa: B023
+        rep.check(f"router T={t}: bf16 GEMM, fp32 out vs fp64", want, got, ms, rel_tol=1e-5)
+        same = (fp32.topk(8).indices.sort(1).values == got.topk(8).indices.sort(1).values).all(1).float().mean()
+        rep.note(f"T={t}: max |bf16-GEMM - fp32-GEMM| {(got - fp32).abs().max().item():.3g}, top-8 equal {same:.4f}")
+
+
 SECTIONS = {
     "attention": section_attention,
     "page_copy": section_page_copy,
@@ -722,6 +745,7 @@ SECTIONS = {
     "state_copy": section_state_copy,
     "norms": section_norms,
     "moe": section_moe,
+    "router": section_router,
     "kda": section_kda,
     "backends": section_backends,
     "engine": section_engine,

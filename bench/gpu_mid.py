@@ -88,10 +88,11 @@ def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
     ids = tandem_bench.prompt(a.prefill[0], vocab, 3)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     with profile.labelled_ops(eng.model):  # a one-token generate: logits of the last row only, as served
-        prof = profile.profiled(lambda: eng.generate([ids], one), dev)
+        prof = profile.profiled(lambda: eng.generate([ids], one), dev, stacks=True)
     res["breakdown"][f"prefill {a.prefill[0]}"] = profile.breakdown(prof, dev)
     res["top_kernels"][f"prefill {a.prefill[0]}"] = profile.top_kernels(prof, dev)
     res.setdefault("census", {})[f"prefill {a.prefill[0]}"] = profile.kernel_census(prof)
+    res.setdefault("copy_sites", {})[f"prefill {a.prefill[0]}"] = profile.copy_sites(prof)
     for ctx in a.ctx:
         for b in a.batches:
             rids = tandem_bench.fill_decode_batch(eng, ctx, b)
@@ -112,11 +113,12 @@ def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: i
     """Profile a few decode steps of the running batch: op breakdown and host overhead per step."""
     n = 5
     with profile.labelled_ops(eng.model):
-        prof = profile.profiled(lambda: [eng.step() for _ in range(n)], eng.device)
+        prof = profile.profiled(lambda: [eng.step() for _ in range(n)], eng.device, stacks=True)
     bd = profile.breakdown(prof, eng.device, per=n)
     res["breakdown"][f"decode step b={b} ctx={ctx}"] = bd
     res["top_kernels"][f"decode b={b} ctx={ctx}"] = profile.top_kernels(prof, eng.device)
     res.setdefault("census", {})[f"decode b={b} ctx={ctx}"] = profile.kernel_census(prof, per=n)
+    res.setdefault("copy_sites", {})[f"decode b={b} ctx={ctx}"] = profile.copy_sites(prof, per=n)
     gpu_ms, wall_ms = bd["total"], wall * 1e3
     res["overhead"] = {
         "batch": b,
@@ -308,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         graphs = {"cuda_graphs": not a.no_graphs, "async_scheduling": not a.no_graphs} if _has_graph_flag() else {}
         eng = _engine(a, device.type, dtype_name, **graphs)
         run_tandem(a, eng, res)
+        _save(a.out, res)
         if not a.no_graphs:
             run_graphs(a, eng, res)
         del eng

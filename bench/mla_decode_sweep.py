@@ -44,7 +44,9 @@ def _workload(batch: int, ctx: int, device: torch.device, gen: torch.Generator):
     return latent, tables, q_lat, q_pe
 
 
-def sweep(batch: int, ctx: int, device: torch.device, copy_bw: float, general: str = "sweep") -> dict:
+def sweep(
+    batch: int, ctx: int, device: torch.device, copy_bw: float, general: str = "sweep", block_hs: tuple = (32,)
+) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     latent, tables, q_lat, q_pe = _workload(batch, ctx, device, gen)
     scale = (128 + 64) ** -0.5
@@ -117,22 +119,24 @@ def sweep(batch: int, ctx: int, device: torch.device, copy_bw: float, general: s
         lambda: lambda: mla_decode_fwd(q_lat, q_pe, latent[:, :, 0], tables, ctx_t, ctx, scale),
     )
     seen = set()
-    for keys_major, block_n, warps, stages, split_mult in itertools.product(
-        (False, True), (16, 32, 64), (4, 8), (1, 2, 3), (1, 2, 4)
+    for block_h, keys_major, block_n, warps, stages, split_mult in itertools.product(
+        block_hs, (False, True), (16, 32, 64), (4, 8), (1, 2, 3), (1, 2, 4)
     ):
         if keys_major and block_n == 16:
             continue  # keys-major puts the key tile on the MMA's M axis: 16 rows is too small for tensor cores
         if warps == 4 and block_n == 64:
             continue  # a [32, 512] fp32 accumulator is 128 registers a thread at 4 warps, plus 64-key tiles
+        if block_h > HEADS and (warps == 4 or keys_major):
+            continue  # padded heads: a [64, 512] accumulator needs both warpgroups; keys-major has no M to pad
         splits = min(max(1, ah_auto * split_mult), max_splits)
-        key = (keys_major, block_n, warps, stages, splits)
+        key = (block_h, keys_major, block_n, warps, stages, splits)
         if key in seen:  # several multipliers capped to the same split count
             continue
         seen.add(key)
-        cfg = {"kernel": "all_heads", "keys_major": keys_major, "block_n": block_n, "warps": warps}
-        cfg |= {"stages": stages, "splits": splits}
+        cfg = {"kernel": "all_heads", "block_h": block_h, "keys_major": keys_major, "block_n": block_n}
+        cfg |= {"warps": warps, "stages": stages, "splits": splits}
 
-        def make(keys_major=keys_major, block_n=block_n, warps=warps, stages=stages, splits=splits):
+        def make(keys_major=keys_major, block_n=block_n, warps=warps, stages=stages, splits=splits, block_h=block_h):
             out = torch.empty_like(q_lat)
             return lambda: mla_decode_fwd(
                 q_lat,
@@ -148,6 +152,7 @@ def sweep(batch: int, ctx: int, device: torch.device, copy_bw: float, general: s
                 num_stages=stages,
                 keys_major=keys_major,
                 out=out,
+                block_h=block_h,
             )
 
         measure(cfg, make)
@@ -189,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--general", choices=("sweep", "current"), default="sweep", help="the general kernel's grid, or its defaults"
     )
+    p.add_argument(
+        "--block-h", type=int, nargs="*", default=[32], help="all-heads kernel: heads tile rows (64 pads 32 heads)"
+    )
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device("cuda")
@@ -196,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw, "workloads": []}
     for w in a.workloads:
         b, c = (int(x) for x in w.split("x"))
-        r = sweep(b, c, device, copy_bw, a.general)
+        r = sweep(b, c, device, copy_bw, a.general, tuple(a.block_h))
         res["workloads"].append(r)
         best = r["best_per_kernel"]
         print(

@@ -36,3 +36,35 @@ def test_kernels_count_in_the_innermost_span_and_the_rest_is_other():
     assert bd["KDA"] == 0.0
     assert bd["total"] == 166 / 1e3 / 2
     assert abs(bd["other"] - 10 / 1e3 / 2) < 1e-12
+
+
+def test_copy_sites_group_copy_kernels_by_their_project_frames():
+    from bench.mid.profile import copy_sites
+
+    def op(name, stack, kernels):
+        ks = [SimpleNamespace(duration=d) for d in kernels]
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, kernels=ks, stack=stack)
+
+    kda = ["torch/_tensor.py(1): contiguous", "kernels/kda/fla_adapter.py(70): _flat", "engine/x.py(5): run"]
+    events = [
+        op("aten::copy_", kda, [40.0]),
+        op("aten::copy_", kda, [44.0]),
+        op("aten::copy_", ["engine/models/m.py(9): fwd"], [5.0]),
+        op("aten::cat", ["engine/models/m.py(12): fwd"], [3.0, 1.0]),
+        op("aten::copy_", kda, []),  # launched nothing (a host copy): not counted
+        SimpleNamespace(  # dispatched from C++ (no stack of its own): the enclosing op's frames
+            name="aten::copy_",
+            device_type=DeviceType.CPU,
+            kernels=[SimpleNamespace(duration=6.0)],
+            stack=[],
+            cpu_parent=SimpleNamespace(stack=["engine/models/m.py(9): fwd"], cpu_parent=None),
+        ),
+        op("aten::mm", kda, [100.0]),  # not a copy
+        _ev("elementwise_kernel", 0, 40),  # device events are read through their op
+    ]
+    rows = copy_sites(SimpleNamespace(events=lambda: events), per=2, depth=2)
+    assert rows[0] == ("aten::copy_ <- kernels/kda/fla_adapter.py(70): _flat <- engine/x.py(5): run", 1.0, 42.0)
+    assert rows[1:] == [
+        ("aten::copy_ <- engine/models/m.py(9): fwd", 1.0, 5.5),
+        ("aten::cat <- engine/models/m.py(12): fwd", 1.0, 2.0),
+    ]

@@ -25,7 +25,11 @@ from engine.models.layers import PackedProjection
 
 GROUPS = ("attention", "KDA", "MoE", "GEMM")
 PREFIX = "tandem."
-_METHODS = {"attention": ("write_kv", "gqa", "mla"), "KDA": ("short_conv", "recurrence"), "MoE": ("route", "experts")}
+_METHODS = {
+    "attention": ("write_kv", "gqa", "mla"),
+    "KDA": ("short_conv", "short_conv_qkv", "recurrence"),
+    "MoE": ("route", "experts"),
+}
 
 
 def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
@@ -67,9 +71,10 @@ def _exit_gemm(mod: nn.Module, args: Any, out: Any) -> None:
     mod._tandem_rf.__exit__(None, None, None)
 
 
-def profiled(fn: Callable[[], Any], device: torch.device) -> profile:
+def profiled(fn: Callable[[], Any], device: torch.device, stacks: bool = False) -> profile:
+    """stacks: record each op's Python stack (for ``copy_sites``; costs host time, not GPU time)."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=stacks) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -171,3 +176,39 @@ def kernel_census(prof: profile, per: int = 1, rows: int = 25) -> dict[str, Any]
         "by_kernel": [(k, c / per, kernel_us[k] / per) for k, c in kernels.most_common(rows)],
         "by_op": [(k, c / per) for k, c in by_op.most_common(rows)],
     }
+
+
+COPY_OPS = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat")
+_OWN_CODE = ("engine/", "kernels/", "fla/", "bench/")
+
+
+def _own_frames(e: Any) -> list[str]:
+    """The project's / fla's frames of the nearest op (itself or an enclosing one) that recorded a stack: ops
+    dispatched from C++ (a copy_ inside ``.contiguous()``) may carry none of their own."""
+    while e is not None:
+        frames = [f for f in (getattr(e, "stack", []) or []) if any(o in f for o in _OWN_CODE)]
+        if frames:
+            return frames
+        e = getattr(e, "cpu_parent", None)
+    return []
+
+
+def copy_sites(prof: profile, per: int = 1, rows: int = 20, depth: int = 3) -> list[tuple[str, float, float]]:
+    """Where a step's copies come from: the innermost copy-like op of each launched kernel, grouped by the
+    ``depth`` innermost frames of its Python stack that are the project's or fla's (profile with stacks=True).
+    Rows: (frames, kernels per step, GPU us per step), most time first. Strided copies that a kernel could
+    have read in place show up here by their call site."""
+    from collections import Counter
+
+    count, us = Counter(), Counter()
+    for e in prof.events():
+        if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU or e.name not in COPY_OPS:
+            continue
+        kernels = getattr(e, "kernels", []) or []
+        if not kernels:
+            continue
+        frames = _own_frames(e)[:depth]
+        key = f"{e.name} <- " + " <- ".join(frames) if frames else e.name
+        count[key] += len(kernels)
+        us[key] += sum(float(getattr(k, "duration", 0.0)) for k in kernels)
+    return [(k, count[k] / per, us[k] / per) for k, _ in us.most_common(rows)]

@@ -65,6 +65,14 @@ class KDABackend(ABC):
         sequence's window in conv_cache[slot] ([slots, C, W-1]). For each (pos, dst) in
         batch.checkpoints[i], also writes the window after `pos` tokens to conv_cache[dst]."""
 
+    def short_conv_qkv(
+        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``short_conv`` of the q | k | v projections (x [T, 3P]) returned as q, k, v [T, P] each. Here views of
+        one output; a backend whose KDA kernels need contiguous q / k / v writes three planes instead."""
+        q, k, v = self.short_conv(x, conv_cache, weight, batch).chunk(3, dim=-1)
+        return q, k, v
+
     @abstractmethod
     def recurrence(
         self,

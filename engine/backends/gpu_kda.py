@@ -177,6 +177,22 @@ class GPUKDABackend(KDABackend):
     def short_conv(
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
+        y = self._conv(x, conv_cache, weight, batch, planes=1)
+        assert isinstance(y, torch.Tensor)
+        return y
+
+    def short_conv_qkv(
+        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as three contiguous planes: fla's chunk and recurrent KDA kernels take contiguous q / k / v
+        only, so column views of one [T, 3P] output cost three full-size copies per KDA layer and step."""
+        y = self._conv(x, conv_cache, weight, batch, planes=3)
+        q, k, v = y if isinstance(y, tuple) else y.unbind(0)
+        return q, k, v
+
+    def _conv(
+        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch, planes: int
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         m = self._meta(batch, x.device)
         w1 = weight.shape[1] - 1
         for row0, off, slot, has_init, dst in m.conv_cks:  # before the kernel updates the windows in place
@@ -194,11 +210,12 @@ class GPUKDABackend(KDABackend):
                     "conv_fla",
                     lambda: conv_step(batch.state_slots, batch.query_start_loc, batch.has_initial_state, x.device),
                 )
-                return short_conv_prefill_fla(x, weight.contiguous(), conv_cache, step)
+                return short_conv_prefill_fla(x, weight.contiguous(), conv_cache, step, planes=planes)
             except Exception as err:  # e.g. an fla build that refuses this GPU: the slot kernel, for good
                 self._fla_conv_failed = True
                 logger.warning("fla causal_conv1d failed (%s); prefill short conv uses the slot kernel", err)
-        return short_conv_update(x, weight.contiguous(), conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len)
+        w = weight.contiguous()
+        return short_conv_update(x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes)
 
     def _fla_conv_fits(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep) -> bool:
         """Long prefill chunks on CUDA (not decode / verify: those stay one graph-safe launch)."""

@@ -8,7 +8,6 @@ Facts: ../shared/reference/kimi-linear.md. Parameter names are the Moonshot chec
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.backends import Backends
@@ -17,7 +16,7 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, GatedRMSNorm, PackedProjection, RMSNorm
+from engine.models.layers import GatedMLP, GatedRMSNorm, PackedProjection, RMSNorm, router_logits
 
 
 class KimiDeltaAttention(nn.Module):
@@ -74,8 +73,8 @@ class KimiDeltaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
             f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
-        qkv = be.kda.short_conv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)
-        q, k, v = (z.reshape(t, h, hd) for z in qkv.chunk(3, dim=-1))
+        qkv = be.kda.short_conv_qkv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)
+        q, k, v = (z.reshape(t, h, hd) for z in qkv)
         g = be.kda.gate(self.f_b_proj(f_a), self.A_log, self.dt_bias, hd)  # [T, H, K] fp32
         beta = torch.sigmoid(b)  # [T, H]
         o = be.kda.recurrence(q, k, v, g, beta, cache.recurrent[self.layer_idx], batch).to(x.dtype)
@@ -137,8 +136,7 @@ class SparseMoE(nn.Module):
         ex.w3 = nn.Parameter(self.w13[:, i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        gate_w = self._gate_fp32 if self._gate_fp32 is not None else self.gate.weight.float()
-        logits = F.linear(x.float(), gate_w)  # routing in fp32
+        logits = router_logits(x, self.gate.weight, self._gate_fp32)  # routing in fp32
         weights, ids = be.moe.route(
             logits,
             self.gate.e_score_correction_bias,

@@ -69,32 +69,42 @@ def short_conv_prefill_fla(
     conv_state: torch.Tensor,
     step: ConvStep,
     conv1d: Callable | None = None,
-) -> torch.Tensor:
+    planes: int = 1,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """y = SiLU(causal depthwise conv) of a varlen batch from each slot's window, and the windows updated —
     the plain contract of ``short_conv_update``. x [T, C] (unit stride on C; a column view is fine), weight
-    [C, W], conv_state [slots, C, S >= W-1]. ``conv1d``: fla's ``causal_conv1d`` (tests may pass its contract)."""
+    [C, W], conv_state [slots, C, S >= W-1]. ``conv1d``: fla's ``causal_conv1d`` (tests may pass its contract).
+    planes=G > 1: one fla launch per G-th of the channels (fla reads the column view in place), returning G
+    contiguous [T, C/G] outputs (Kimi's q, k, v: fla's KDA kernels would copy column views of one output)."""
     from kernels.short_conv.triton import write_windows
 
     if x.ndim != 2 or x.stride(1) != 1 or weight.shape != (x.shape[1], weight.shape[1]):
         raise ValueError(f"x [T, C] with a unit stride on C and weight [C, W]; got {x.shape}, {weight.shape}")
     n, c, w = step.slots.numel(), x.shape[1], weight.shape[1]
+    if planes < 1 or c % planes:
+        raise ValueError(f"planes must divide the {c} channels, got {planes}")
     init = None
     if step.any_init:  # fla's layout: [N, C, W], the window in columns 1..W-1; zeros for a first chunk
         init = conv_state.new_zeros(n, c, w)
         old = conv_state.index_select(0, step.slots_long)[:, :, : w - 1]
         init[:, :, 1:] = torch.where(step.has_init.bool()[:, None, None], old, 0)  # a fresh slot may hold junk
     fn = conv1d or _fla_causal_conv1d()
-    y, _ = fn(
-        x[None],
-        weight,
-        initial_state=init,
-        activation="silu",
-        cu_seqlens=step.cu,
-        cu_seqlens_cpu=step.cu_cpu,
-        chunk_indices=step.chunk_indices,
-    )
+    p = c // planes
+    ys = []
+    for j in range(planes):
+        cols = slice(j * p, (j + 1) * p)
+        y, _ = fn(
+            x[None, :, cols],
+            weight[cols],
+            initial_state=None if init is None else init[:, cols],
+            activation="silu",
+            cu_seqlens=step.cu,
+            cu_seqlens_cpu=step.cu_cpu,
+            chunk_indices=step.chunk_indices,
+        )
+        ys.append(y[0])
     write_windows(x, weight, conv_state, step.slots, step.qsl, step.has_init)
-    return y[0]
+    return ys[0] if planes == 1 else tuple(ys)
 
 
 __all__ = ["FLA_TILE", "ConvStep", "conv_step", "short_conv_prefill_fla"]

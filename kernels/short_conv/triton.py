@@ -27,7 +27,7 @@ from kernels.upload import upload
 @triton.jit
 def _short_conv_kernel(
     X,  # [T, C]
-    Y,  # [T, C]
+    Y,  # [T, C], or [G, T, C/G] planes (PLANE_C channels each)
     STATE,  # [slots, C, S]
     W,  # [C, KW]
     SLOTS,  # [N] int32 (-1: padding, skipped)
@@ -38,6 +38,8 @@ def _short_conv_kernel(
     S,
     stride_x_t,
     stride_y_t,
+    stride_y_plane,
+    PLANE_C,
     stride_st_n,
     stride_st_c,
     stride_w_c,
@@ -70,7 +72,8 @@ def _short_conv_kernel(
     m_ci = m_c & ((o_c * 0 + init) != 0)  # channels whose old window is read (zeros on a first chunk)
     p_st = STATE + slot * stride_st_n + o_c.to(tl.int64) * stride_st_c  # [BLOCK_C] row starts of this slot
     p_x = X + bos.to(tl.int64) * stride_x_t + o_c[None, :]
-    p_y = Y + bos.to(tl.int64) * stride_y_t + o_c[None, :]
+    o_y = (o_c // PLANE_C).to(tl.int64) * stride_y_plane + o_c % PLANE_C  # channel -> (plane, column)
+    p_y = Y + bos.to(tl.int64) * stride_y_t + o_y[None, :]
 
     if CONV:
         t_end = tl.minimum(seq_len, (i_t + 1) * T_CHUNK)
@@ -155,6 +158,7 @@ def short_conv_update(
     out: torch.Tensor | None = None,
     max_q_len: int | None = None,
     tiles: ConvTiles | None = None,
+    planes: int = 1,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over a varlen batch, reading and updating each sequence's state slot.
 
@@ -170,7 +174,10 @@ def short_conv_update(
         spec: use the spec write (x lands at columns W-2..; see naive_spec.py) instead of the plain one.
         max_q_len: longest sequence (tile-size hint when query_start_loc is a device tensor).
         tiles: launch parameters (default: ``default_tiles``; bench/short_conv_sweep.py times others).
-    Returns: y [T, C] in x's dtype.
+        planes: G > 1 writes y as G contiguous planes [G, T, C/G], channel c in plane c // (C/G): Kimi's
+            q | k | v come out as three contiguous tensors (fla's KDA kernels take no strided q / k / v, so
+            column views of a [T, C] output would each be copied).
+    Returns: y [T, C] (or [G, T, C/G] with planes=G) in x's dtype.
 
     With slots/num_accepted as host lists the wrapper checks the contract's bounds; device tensors skip the
     checks (no sync). Example (decode of N sequences, one token each)::
@@ -211,8 +218,13 @@ def short_conv_update(
     init = [True] * n if has_initial_state is None else has_initial_state
     init_t = _as_int32(init, n, device, "has_initial_state")
     acc_t = _as_int32(num_accepted, n, device, "num_accepted") if num_accepted is not None else slots_t
+    if planes < 1 or c % planes:
+        raise ValueError(f"planes must divide the {c} channels, got {planes}")
+    shape = (t, c) if planes == 1 else (planes, t, c // planes)
     if out is None:
-        out = torch.empty_like(x)
+        out = x.new_empty(shape)
+    elif out.shape != shape or out.stride(-1) != 1 or (planes > 1 and out.stride(1) != c // planes):
+        raise ValueError(f"out must be {shape} with unit stride on its channels, got {tuple(out.shape)}")
     if n == 0:
         return out
     longest = max_len if not isinstance(query_start_loc, torch.Tensor) else (max_q_len or 0)
@@ -221,7 +233,9 @@ def short_conv_update(
     # the last chunk runs to its sequence's end, so a max_q_len hint that is too small costs speed, not tokens
     n_chunks = max(1, triton.cdiv(longest, t_chunk))
     args = (x, out, conv_state, weight, slots_t, qsl_t, acc_t, init_t, c, s)
-    args += (x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0))
+    plane_stride, plane_c = (0, c) if planes == 1 else (out.stride(0), c // planes)
+    args += (x.stride(0), out.stride(-2), plane_stride, plane_c)
+    args += (conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=spec, HAS_ACC=num_accepted is not None, BLOCK_C=block_c, BLOCK_T=block_t)
     meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tl_.num_warps)
     one = n_chunks == 1
@@ -249,7 +263,7 @@ def write_windows(
         return
     block_c = 256
     args = (x, x, conv_state, weight, slots, query_start_loc, slots, has_initial_state, c, s)
-    args += (x.stride(0), x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0))
+    args += (x.stride(0), x.stride(0), 0, c, conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=False, HAS_ACC=False, BLOCK_C=block_c, BLOCK_T=1, BLOCK_S=next_pow2(max(s, kw - 1)))
     _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4)
 

@@ -170,6 +170,26 @@ def test_kda_matches_reference(scenario):
         assert_close(f"kda state, layer {layer}", rec_ref, rec, ratio)
 
 
+@pytest.mark.parametrize("scenario", ["decode", "mixed", "checkpoints"])
+def test_short_conv_qkv_gives_contiguous_planes_of_the_reference(scenario):
+    """The model's q | k | v conv: the reference's output split in three, as three contiguous tensors (fla's
+    KDA kernels would copy column views), the windows and rung checkpoints as the reference writes them."""
+    sc = KDA_SCENARIOS[scenario]
+    batch = make_batch(sc["q_lens"], sc["ctx"], 16, 64, has_init=sc["has_init"], checkpoints=sc["cks"])
+    torch.manual_seed(3)
+    c, w = 3 * 2 * 16, 4
+    conv = torch.randn(24, c, w - 1, device=DEVICE)
+    weight = torch.randn(c, w, device=DEVICE)
+    x = torch.randn(batch.num_tokens, c + 8, device=DEVICE)[:, 4 : 4 + c]  # the projection's column view
+    conv_ref = conv.clone()
+    ref = TorchKDABackend().short_conv(x, conv_ref, weight, batch).chunk(3, dim=-1)
+    out = GPUKDABackend(chunk_fn=None if ON_CUDA else reference_chunk_fn).short_conv_qkv(x, conv, weight, batch)
+    for name, r, o in zip("qkv", ref, out, strict=True):
+        assert o.is_contiguous(), f"{name} is not contiguous"
+        assert_close(f"conv {name}", r, o, tol(torch.float32))
+    assert_close("conv state", conv_ref, conv, 1e-6)
+
+
 @pytest.mark.parametrize("path", ["grouped", "decode kernels", "fp32 on CUDA", "decode kernels failing"])
 def test_moe_matches_reference(path, monkeypatch):
     import engine.backends.gpu as gpu_mod

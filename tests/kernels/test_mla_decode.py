@@ -58,6 +58,22 @@ def test_matches_reference(keys_major, num_splits, h, r, p, page_size):
     assert_close("o_lat", ref, out, tol(torch.float32))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_padded_heads_tile_matches_reference(num_splits):
+    """block_h above the heads (the 64-row tile Hopper's wgmma takes): padding rows read no query, write nothing."""
+    h, r, p = 8, 64, 16
+    q_lat, q_pe, latent, tables, bt, ctx_t = _setup(CTX, h, r, p, 16)
+    scale = (r + p) ** -0.5
+    ref = _reference(q_lat, q_pe, latent, tables, CTX, scale)
+    out = torch.full_like(q_lat, float("nan"))
+    mla_decode_fwd(
+        q_lat, q_pe, latent, bt, ctx_t, max(CTX), scale, num_splits=num_splits, block_n=16, block_h=32, out=out
+    )
+    assert_close("o_lat", ref, out, tol(torch.float32))
+    with pytest.raises(ValueError, match="block_h"):
+        mla_decode_fwd(q_lat, q_pe, latent, bt, ctx_t, max(CTX), scale, block_h=4)
+
+
 @pytest.mark.parametrize("keys_major", [False, True], ids=["heads_major", "keys_major"])
 def test_matches_general_kernel(keys_major):
     """Same result as attention_fwd's latent path (mla.mla_absorbed's views), default tuning, non-power-of-2

@@ -88,6 +88,22 @@ def test_any_tiles_and_a_strided_input_match_naive(tiles):
     assert torch.equal(state, ref_state)
 
 
+@pytest.mark.parametrize(("lens", "c"), [([1, 1, 1], 96), ([600, 3, 70], 48), ([5, 1, 64, 3], 24)])
+def test_planes_hold_the_same_values_as_one_output(lens, c):
+    """planes=3 (Kimi's q | k | v as three contiguous tensors) writes exactly the values of the [T, C] output,
+    channel c in plane c // (C/3): channel blocks that straddle planes, decode, and chunked long sequences."""
+    init, slots = [True, False, True, True][: len(lens)], [2, 0, 1, 3][: len(lens)]
+    qsl, x, weight, state = _inputs(lens, c, 4, 4, 3, torch.float32, seed=9)
+    state_planes = state.clone()
+    flat = short_conv_update(x, weight, state, slots, qsl, init)
+    planes = short_conv_update(x, weight, state_planes, slots, qsl, init, planes=3)
+    assert planes.shape == (3, x.shape[0], c // 3) and planes.is_contiguous()
+    assert torch.equal(torch.cat(planes.unbind(0), dim=1), flat)
+    assert torch.equal(state_planes, state)
+    with pytest.raises(ValueError, match="planes must divide"):
+        short_conv_update(x, weight, state, slots, qsl, init, planes=5)
+
+
 def test_padding_slot_is_skipped():
     qsl, x, weight, state = _inputs([2, 3], 32, 4, 4, 3, torch.float32)
     before = state.clone()

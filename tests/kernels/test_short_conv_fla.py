@@ -29,9 +29,11 @@ def _fla_contract(x, weight, initial_state=None, activation=None, cu_seqlens=Non
     [([300, 2, 65], [True, False, True]), ([130, 64], [False, False]), ([1, 200], [True, True])],
     ids=["mixed", "first-chunks", "short-window"],
 )
-def test_matches_naive_windows_bit_exact(lens, init, fla_unblocked):
+@pytest.mark.parametrize("planes", [1, 3])
+def test_matches_naive_windows_bit_exact(lens, init, planes, fla_unblocked):
+    """planes=3: one fla launch per third of the channels (q, k, v), each output contiguous."""
     g = torch.Generator().manual_seed(7)
-    c, w, slots = 40, 4, [3, 0, 2][: len(lens)]
+    c, w, slots = 48, 4, [3, 0, 2][: len(lens)]
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
@@ -51,7 +53,10 @@ def test_matches_naive_windows_bit_exact(lens, init, fla_unblocked):
 
     want = prepare_chunk_indices(torch.tensor(qsl), FLA_TILE)
     assert torch.equal(step.chunk_indices.cpu(), want)
-    out = short_conv_prefill_fla(x, weight, state, step, conv1d=None if ON_CUDA else _fla_contract)
+    out = short_conv_prefill_fla(x, weight, state, step, conv1d=None if ON_CUDA else _fla_contract, planes=planes)
+    if planes > 1:
+        assert len(out) == planes and all(y.is_contiguous() and y.shape == (qsl[-1], c // planes) for y in out)
+        out = torch.cat(out, dim=1)
     assert_close("y", ref, out, tol(torch.float32))
     untouched = [s for s in range(4) if s not in slots]
     assert torch.equal(state[slots], ref_state[slots])
