@@ -8,8 +8,9 @@ of copy bandwidth there, against ~93 % in the uniform-routing check (173+ expert
 expert with more than BLOCK_M rows makes its programs walk the weights once per row block. The skewed case
 adds a shared per-expert bias (N(0, 1)) to the router logits, which hits ~95 experts at T=64 (measured on the
 host). Each configuration is timed by the profiler's GPU kernel time (no launch overhead), checked against
-the default tiles' output, and reported as a fraction of the device copy bandwidth (bytes = the hit experts'
-weights, read once).
+the default tiles' output (``decode_tiles``), and reported as a fraction of the device copy bandwidth (bytes =
+the hit experts' weights, read once). The recorded run (docs/results/moe_decode_sweep_skew.json) predates
+``decode_tiles``: its "default" rows are the 16 x 32 tiles.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ import torch
 from bench.gpu_kernels_check import kernel_ms
 from bench.mid import roofline
 from kernels.moe.align import moe_align_triton
-from kernels.moe.decode import moe_experts_decode
+from kernels.moe.decode import decode_tiles, moe_experts_decode
 
 E, K, HID, INTER = 256, 8, 2304, 1024
-DEFAULT = (16, 32, 128, 4)  # block_m, block_n, block_k, warps: moe_experts_decode's defaults
 
 
 def _routing(t: int, skew: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -44,7 +44,8 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
     x = torch.randn(t, HID, generator=gen, device=device).to(torch.bfloat16)
     al = moe_align_triton(ids, E)
     nbytes = hit * 3 * HID * INTER * 2
-    want = moe_experts_decode(x, al, w13, w2, *DEFAULT)
+    default_cfg = (*decode_tiles(t), 128, 4)  # block_m, block_n, block_k, warps as moe_experts_decode picks them
+    want = moe_experts_decode(x, al, w13, w2, *default_cfg)
     rows = []
     for bm, bn, bk, nw in itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256), (4, 8)):
         if bm * bk > 16384 or bn * bk > 16384:
@@ -59,7 +60,7 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
             continue
         rows.append({**cfg, "ms": ms, "roofline": nbytes / (ms * 1e-3) / copy_bw, "max_abs_diff": err})
     ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-    default = next(r for r in ok if (r["block_m"], r["block_n"], r["block_k"], r["warps"]) == DEFAULT)
+    default = next(r for r in ok if (r["block_m"], r["block_n"], r["block_k"], r["warps"]) == default_cfg)
     res = {"tokens": t, "skew": skew, "experts_hit": hit, "most_rows": most}
     return res | {"default": default, "best": ok[:5], "rows": rows}
 

@@ -52,12 +52,17 @@ def test_copy_sites_group_copy_kernels_by_their_project_frames():
         op("aten::copy_", ["engine/models/m.py(9): fwd"], [5.0]),
         op("aten::cat", ["engine/models/m.py(12): fwd"], [3.0, 1.0]),
         op("aten::copy_", kda, []),  # launched nothing (a host copy): not counted
-        SimpleNamespace(  # dispatched from C++ (no stack of its own): the enclosing op's frames
+        SimpleNamespace(  # no stack of its own (torch >= 2.11): the enclosing python_function events' names
             name="aten::copy_",
             device_type=DeviceType.CPU,
             kernels=[SimpleNamespace(duration=6.0)],
             stack=[],
-            cpu_parent=SimpleNamespace(stack=["engine/models/m.py(9): fwd"], cpu_parent=None),
+            cpu_parent=SimpleNamespace(
+                name="aten::clone",
+                cpu_parent=SimpleNamespace(
+                    name="engine/models/m.py(9): fwd", cpu_parent=SimpleNamespace(name="run.py(1): <module>")
+                ),
+            ),
         ),
         op("aten::mm", kda, [100.0]),  # not a copy
         _ev("elementwise_kernel", 0, 40),  # device events are read through their op
@@ -68,3 +73,18 @@ def test_copy_sites_group_copy_kernels_by_their_project_frames():
         ("aten::copy_ <- engine/models/m.py(9): fwd", 1.0, 5.5),
         ("aten::cat <- engine/models/m.py(12): fwd", 1.0, 2.0),
     ]
+
+
+def test_own_frames_reads_the_python_stack_of_a_real_profile():
+    """torch records Python frames as enclosing events; the walk finds the project's frame above an aten op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.mid.profile import _own_frames
+    from kernels.moe.grouped import moe_combine
+
+    y, rows, w = torch.randn(8, 4), torch.randperm(8), torch.rand(4, 2)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        moe_combine(y, rows, w, torch.float32)
+    index = next(e for e in prof.events() if e.name == "aten::index")
+    frames = _own_frames(index)
+    assert frames and "kernels/moe/grouped.py(" in frames[0] and frames[0].endswith("): moe_combine")

@@ -183,14 +183,15 @@ _OWN_CODE = ("engine/", "kernels/", "fla/", "bench/")
 
 
 def _own_frames(e: Any) -> list[str]:
-    """The project's / fla's frames of the nearest op (itself or an enclosing one) that recorded a stack: ops
-    dispatched from C++ (a copy_ inside ``.contiguous()``) may carry none of their own."""
+    """The project's / fla's frames above an op, innermost first. torch records the Python stack as enclosing
+    "python_function" events named ``path(line): func`` (an op's own ``stack`` is empty in torch 2.11-2.13), so
+    walk the op's parents; an explicit ``stack`` (older torch) is read too."""
+    frames: list[str] = []
     while e is not None:
-        frames = [f for f in (getattr(e, "stack", []) or []) if any(o in f for o in _OWN_CODE)]
-        if frames:
-            return frames
+        names = list(getattr(e, "stack", []) or []) or [str(getattr(e, "name", ""))]
+        frames += [f for f in names if "): " in f and any(o in f for o in _OWN_CODE)]
         e = getattr(e, "cpu_parent", None)
-    return []
+    return frames
 
 
 def copy_sites(prof: profile, per: int = 1, rows: int = 20, depth: int = 3) -> list[tuple[str, float, float]]:

@@ -7,7 +7,7 @@ import torch
 
 from kernels.moe.align import moe_align_triton
 from kernels.moe.combine import moe_combine_triton
-from kernels.moe.decode import moe_experts_decode
+from kernels.moe.decode import decode_tiles, moe_experts_decode
 from kernels.moe.grouped import grouped_moe, moe_align, moe_combine
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.moe.triton import sigmoid_topk_route_triton
@@ -143,6 +143,7 @@ def test_experts_rejects_bad_shapes():
         (1, 8, 2, 64, 32, (16, 16, 32)),  # one token: most experts' programs return at once
         (29, 16, 4, 96, 48, (16, 32, 64)),  # H and I not multiples of the blocks: masked tails
         (40, 4, 2, 64, 32, (16, 16, 16)),  # groups longer than BLOCK_M: several row chunks per program
+        (70, 4, 2, 96, 80, (None, None, 32)),  # the default tiles above 16 tokens (decode_tiles: 32 x 64)
     ],
 )
 def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype):
@@ -162,6 +163,11 @@ def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype):
     if e > 1 and al.offsets[0] > 0 and al.offsets[-1] > al.offsets[0]:
         wrong = moe_experts_decode(x, al, w13.flip(0), w2.flip(0))  # experts swapped: another result
         assert not torch.allclose(wrong.float(), y.float())
+
+
+def test_decode_tiles_take_two_row_blocks_only_above_16_tokens():
+    """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns); above, 32 x 64 tiles."""
+    assert [decode_tiles(t) for t in (1, 16, 17, 64)] == [(16, 32), (16, 32), (32, 64), (32, 64)]
 
 
 def test_decode_experts_refuse_bad_shapes():
