@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +14,8 @@ from kernels.activation import silu_mul
 
 if TYPE_CHECKING:
     from engine.backends import Backends
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -69,8 +72,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tens
     if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16 and not _MM_OUT_DTYPE_FAILED:
         try:
             return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        except (RuntimeError, TypeError, NotImplementedError):  # a torch without mm(out_dtype=) on this device
+        except (RuntimeError, TypeError, NotImplementedError) as err:  # no mm(out_dtype=) in this torch / device
             _MM_OUT_DTYPE_FAILED = True
+            logger.warning("torch.mm(out_dtype=float32) failed (%s); the MoE router runs HF's fp32 GEMM", err)
     return F.linear(x.float(), weight_fp32 if weight_fp32 is not None else weight.float())
 
 

@@ -94,12 +94,19 @@ def test_planes_hold_the_same_values_as_one_output(lens, c):
     channel c in plane c // (C/3): channel blocks that straddle planes, decode, and chunked long sequences."""
     init, slots = [True, False, True, True][: len(lens)], [2, 0, 1, 3][: len(lens)]
     qsl, x, weight, state = _inputs(lens, c, 4, 4, 3, torch.float32, seed=9)
-    state_planes = state.clone()
+    state_planes, windows = state.clone(), state.clone()
+    ref = torch.empty_like(x)  # the naive reference, independent of the one-output launch
+    for i, s in enumerate(slots):
+        ref[qsl[i] : qsl[i + 1]], windows[s] = naive_short_conv(
+            x[qsl[i] : qsl[i + 1]], weight, windows[s] if init[i] else None
+        )
     flat = short_conv_update(x, weight, state, slots, qsl, init)
     planes = short_conv_update(x, weight, state_planes, slots, qsl, init, planes=3)
     assert planes.shape == (3, x.shape[0], c // 3) and planes.is_contiguous()
     assert torch.equal(torch.cat(planes.unbind(0), dim=1), flat)
     assert torch.equal(state_planes, state)
+    assert_close("planes vs naive", ref, torch.cat(planes.unbind(0), dim=1), tol(torch.float32))
+    assert torch.equal(state_planes, windows)
     with pytest.raises(ValueError, match="planes must divide"):
         short_conv_update(x, weight, state, slots, qsl, init, planes=5)
 
