@@ -170,7 +170,10 @@ class LLMEngine(ImportSide):
         if not ids:
             raise InvalidRequestError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        # C-speed check first (a 32k prompt: half the time of the per-token isinstance loop);
+        # the exact per-token check only when it fails
+        fast_ok = set(map(type, ids)) <= {int, bool} and min(ids) >= 0 and max(ids) < vocab
+        bad = [] if fast_ok else [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         if len(ids) >= self.max_model_len:

@@ -15,7 +15,7 @@ from engine.backends.base import KDABackend
 from engine.backends.gpu_static import KDADecodeStep
 from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
-from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
+from kernels.kda.fla_adapter import KDA_CHUNK, chunk_kda_varlen, chunk_layout, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
 from kernels.short_conv.triton import short_conv_update
 from kernels.upload import upload
@@ -28,7 +28,6 @@ def _q_lens(batch: ForwardBatch) -> list[int]:
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-KDA_CHUNK = 64  # fla's chunk size: chunk_kda's intermediate states sit every 64 tokens of a segment
 FLA_CONV_MIN_LEN = (
     256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
 )
@@ -125,7 +124,7 @@ class _KDAStep:
             (
                 upload(torch.tensor(r.rows, dtype=torch.int64), device),
                 upload(torch.tensor(r.slots, dtype=torch.int64), device),
-                r.cu,
+                chunk_layout(r.cu, device),  # fla's chunk tables, once per step for every KDA layer
                 r.copies,
                 r.needs_h,
             )

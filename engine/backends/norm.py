@@ -33,25 +33,38 @@ class TorchNormBackend:
 
 
 class FlaNormBackend(TorchNormBackend):
-    """fla-core's fused norms (fla.modules.norm); CUDA tensors only, the reference otherwise."""
+    """fla-core's fused norms (fla.modules.norm); CUDA tensors only, the reference otherwise.
+
+    The RMS norms call fla's ``layer_norm_fwd`` (the forward under its ``rms_norm``) directly: same kernel,
+    same arguments, without the autograd function and input guard (~19 calls a prefill step, which is
+    host-bound at 8k tokens: bench/prefill_host.py)."""
 
     def __init__(self) -> None:
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.modules.norm.layernorm import rms_norm
+        from fla.modules.norm.layernorm import layer_norm_fwd
 
-        self._rms_norm, self._rms_norm_gated = rms_norm, rms_norm_gated
+        self._layer_norm_fwd, self._rms_norm_gated = layer_norm_fwd, rms_norm_gated
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not x.is_cuda:
             return super().rms_norm(x, weight, eps)
-        return self._rms_norm(x, weight, None, eps=eps)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y, _, _, _ = self._layer_norm_fwd(rows, weight.contiguous(), None, eps=eps, is_rms_norm=True)
+        return y.view(x.shape)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not x.is_cuda:
             return super().add_rms_norm(x, residual, weight, eps)
-        return self._rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        res = residual.reshape(rows.shape).contiguous()
+        y, _, _, res_out = self._layer_norm_fwd(
+            rows, weight.contiguous(), None, eps=eps, residual=res, residual_dtype=res.dtype, is_rms_norm=True
+        )
+        return y.view(x.shape), res_out.view(x.shape)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not x.is_cuda:

@@ -17,13 +17,17 @@ Layouts (flat varlen, as ForwardBatch): q, k, g [T, H, K]; v [T, H, V]; beta [T,
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kernels.kda.recurrent_launch import RecurrentTile, launch_fused_recurrent_kda, tile_for
+from kernels.upload import upload
 
 FLA_VERSION = "0.6.0"
+KDA_CHUNK = 64  # chunk_kda's chunk size: its intermediate states sit every 64 tokens of a sequence
 
 
 def fla_available() -> bool:
@@ -45,63 +49,118 @@ def _flat(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x.contiguous()[None] for x in xs]
 
 
+@dataclass(frozen=True)
+class ChunkLayout:
+    """A varlen batch's chunk tables for fla's chunk kernels, built on the host once per step.
+
+    fla builds them per call: with ``use_graph`` on the device (~12 small kernels a KDA layer), otherwise on
+    the host with a blocking upload. Here they are host-built and uploaded in one pinned, asynchronous copy,
+    and every KDA layer of the step reuses them."""
+
+    cu: torch.Tensor  # [N+1] int64 on the device
+    cu_cpu: torch.Tensor  # [N+1] int64 on the host (fla reads lengths from it)
+    chunk_indices: torch.Tensor  # [NT, 2] int64: (sequence, chunk within it) of each 64-token chunk
+    chunk_offsets: torch.Tensor  # [N+1] int64: each sequence's first chunk
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_cpu.numel() - 1
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_indices.shape[0]
+
+
+def chunk_layout(cu_seqlens: Sequence[int], device: torch.device | str) -> ChunkLayout:
+    """The tables fla's ``prepare_chunk_indices`` / ``prepare_chunk_offsets`` make, for host offsets."""
+    cu = [int(c) for c in cu_seqlens]
+    if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
+    chunks = [-(-(b - a) // KDA_CHUNK) for a, b in itertools.pairwise(cu)]
+    offsets = [0]
+    for c in chunks:
+        offsets.append(offsets[-1] + c)
+    pairs = [v for i, c in enumerate(chunks) for j in range(c) for v in (i, j)]
+    dev = upload(torch.tensor(cu + offsets + pairs, dtype=torch.int64), torch.device(device))
+    n = len(cu)
+    return ChunkLayout(
+        cu=dev[:n],
+        cu_cpu=torch.tensor(cu, dtype=torch.int64),
+        chunk_indices=dev[2 * n :].view(-1, 2),
+        chunk_offsets=dev[n : 2 * n],
+    )
+
+
 def chunk_kda_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: torch.Tensor,
-    cu_seqlens: Sequence[int] | torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: Sequence[int] | torch.Tensor | ChunkLayout,
     return_intermediate_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked KDA over N sequences packed along T (CUDA only: fla's chunk kernels fail under the interpreter).
 
     Args:
         q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H].
-        initial_state: [N, H, K, V] fp32 (zeros for a first chunk); not modified.
-        cu_seqlens: N+1 offsets (host ints preferred: fla needs them on the host too).
+        initial_state: [N, H, K, V] fp32, not modified; None: zeros (every sequence's first chunk).
+        cu_seqlens: N+1 offsets, or their ``chunk_layout`` (built once per step: the KDA layers share it).
         return_intermediate_states: also return fla's chunk-boundary states.
     Returns:
         o [T, H, V] (v's dtype), final_state [N, H, K, V] fp32, and h [NT, H, K, V] **bf16** or None.
         h[c] is the state entering the c-th 64-token chunk (chunks counted over all sequences in order, each
         sequence starting a new chunk), i.e. for sequence i the state after 64*j of its tokens.
         bench/gpu_kernels_check.py checks that reading against the recurrence.
+
+    Calls fla's ``chunk_kda_fwd`` (the forward under ``chunk_kda``'s autograd function) with the layout's
+    tables: ``chunk_kda`` spends ~2 ms of host time a call in wrappers (dispatch, input guard, autocast,
+    ``torch.compiler.disable``, autograd) and its chunk table, and an 8k prefill is host-bound
+    (bench/prefill_host.py). Same kernels, same arguments: q and k L2-normalised by fla's ``l2norm_fwd``
+    (eps 1e-6), scale K^-1/2, fp32 g.
     """
-    from fla.ops.kda import chunk_kda
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
     _check_qkv(q, k, v, g, beta)
-    if initial_state.dtype != torch.float32:
-        raise ValueError(f"initial_state must be fp32 (fla asserts it), got {initial_state.dtype}")
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu_cpu = cu_seqlens.to("cpu", torch.int64)
-    else:
-        cu_cpu = torch.tensor(list(cu_seqlens), dtype=torch.int64)
-    n = cu_cpu.numel() - 1
-    if initial_state.shape != (n, q.shape[1], q.shape[2], v.shape[2]):
-        raise ValueError(f"initial_state must be [{n}, H, K, V], got {tuple(initial_state.shape)}")
-    if int(cu_cpu[0]) != 0 or int(cu_cpu[-1]) != q.shape[0]:
-        raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[0]}")
+    layout = cu_seqlens if isinstance(cu_seqlens, ChunkLayout) else None
+    if layout is None:
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        layout = chunk_layout(cu, q.device)
+    n = layout.num_seqs
+    if initial_state is not None:
+        if initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be fp32 (fla asserts it), got {initial_state.dtype}")
+        if initial_state.shape != (n, q.shape[1], q.shape[2], v.shape[2]):
+            raise ValueError(f"initial_state must be [{n}, H, K, V], got {tuple(initial_state.shape)}")
+        initial_state = initial_state.contiguous()
+    if int(layout.cu_cpu[-1]) != q.shape[0]:
+        raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[0]}, got {layout.cu_cpu.tolist()}")
     q_, k_, v_, g_, b_ = _flat(q, k, v, g.float(), beta)
-    kwargs = dict(
-        initial_state=initial_state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-        # from pinned memory: a pageable upload would make every KDA layer wait for the GPU
-        cu_seqlens=(cu_cpu.pin_memory() if q.is_cuda else cu_cpu).to(q.device, non_blocking=True),
-        cu_seqlens_cpu=cu_cpu,
-        # fla's chunk index table built on the device: its host-built one is uploaded with a blocking copy,
-        # which made every KDA layer of a prefill wait for the GPU (bench/sync_points.py found it)
-        use_graph=q.is_cuda,
-    )
+    q_, _ = l2norm_fwd(q_)
+    k_, _ = l2norm_fwd(k_)
+    with torch.inference_mode():
+        o, final, *_, h, _ = chunk_kda_fwd(
+            q=q_,
+            k=k_,
+            v=v_,
+            g=g_,
+            beta=b_,
+            scale=q.shape[2] ** -0.5,
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=layout.cu,
+            cu_seqlens_cpu=layout.cu_cpu,
+            chunk_indices=layout.chunk_indices,
+            chunk_offsets=layout.chunk_offsets,
+            chunk_size=KDA_CHUNK,
+            return_intermediate_states=return_intermediate_states,
+        )
+    o = o[0].to(v.dtype)
     if return_intermediate_states:
-        with torch.inference_mode():
-            o, final, h = chunk_kda(q_, k_, v_, g_, b_, return_intermediate_states=True, **kwargs)
-        # the device-built chunk table (use_graph) is padded past the real chunks: so is h
-        num_chunks = int(((cu_cpu[1:] - cu_cpu[:-1] + 63) // 64).sum())
-        return o[0], final, h[0][:num_chunks]
-    o, final = chunk_kda(q_, k_, v_, g_, b_, **kwargs)
-    return o[0], final, None
+        return o, final, h[0][: layout.num_chunks]
+    return o, final, None
 
 
 def fused_recurrent_kda_slots(
@@ -167,4 +226,12 @@ def fused_recurrent_kda_slots(
     return o.reshape(t, h, vd)
 
 
-__all__ = ["FLA_VERSION", "chunk_kda_varlen", "fla_available", "fused_recurrent_kda_slots"]
+__all__ = [
+    "FLA_VERSION",
+    "KDA_CHUNK",
+    "ChunkLayout",
+    "chunk_kda_varlen",
+    "chunk_layout",
+    "fla_available",
+    "fused_recurrent_kda_slots",
+]

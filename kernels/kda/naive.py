@@ -127,9 +127,10 @@ def naive_chunk_kda_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``naive_chunk_kda`` with the signature and chunk-boundary-state convention of
     ``kernels.kda.fla_adapter.chunk_kda_varlen`` (packed [T, H, *] inputs, N sequences by ``cu_seqlens``).
-    Returns o [T, H, V] fp32, final [N, H, K, V] fp32, and the state entering every 64-token chunk or None."""
+    Returns o [T, H, V] fp32, final [N, H, K, V] fp32, and the state entering every 64-token chunk or None.
+    ``cu_seqlens``: N+1 offsets or a ``ChunkLayout`` (its host offsets are read)."""
     outs, finals, states = [], [], []
-    bounds = [int(x) for x in cu_seqlens]
+    bounds = [int(x) for x in getattr(cu_seqlens, "cu_cpu", cu_seqlens)]
     for i in range(len(bounds) - 1):
         a, b = bounds[i], bounds[i + 1]
         s = initial_state[i : i + 1]

@@ -57,10 +57,48 @@ def conv_step(slots: Sequence[int], qsl: Sequence[int], has_init: Sequence[bool]
     )
 
 
-def _fla_causal_conv1d() -> Callable:
-    from fla.modules.causal_conv1d import causal_conv1d
+def launch_fla_conv(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor | None, step: ConvStep) -> torch.Tensor:
+    """fla's ``causal_conv1d_fwd_kernel`` with SiLU over one plane: x [T, D] (unit stride on D, any row
+    stride), weight [D, W] and init [N, D, W] contiguous (fla's window layout) or None; returns y [T, D].
 
-    return causal_conv1d
+    The launch ``causal_conv1d`` makes, without its wrappers (dispatch, input guard, autograd, kwarg shims:
+    ~0.5 ms of host time a call, three calls a KDA layer, in a prefill that is host-bound) and with the step's
+    tile table instead of one built per call."""
+    import triton
+    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd_kernel
+
+    t, d = x.shape
+    w = weight.shape[1]
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    nt = step.chunk_indices.shape[0]
+
+    def grid(meta: dict) -> tuple[int, int, int]:
+        return (triton.cdiv(d, meta["BD"]), nt, 1)
+
+    causal_conv1d_fwd_kernel[grid](
+        x=x,
+        y=y,
+        weight=weight,
+        bias=None,
+        residual=None,
+        cu_seqlens=step.cu,
+        initial_state=init,
+        chunk_indices=step.chunk_indices,
+        B=1,
+        T=t,
+        stride_x_n=t * x.stride(0),
+        stride_x_t=x.stride(0),
+        stride_x_d=1,
+        D=d,
+        W=w,
+        BT=FLA_TILE,
+        BW=triton.next_power_of_2(w),
+        ACTIVATION="silu",
+    )
+    return y
+
+
+PlaneConv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", ConvStep], torch.Tensor]
 
 
 def short_conv_prefill_fla(
@@ -68,12 +106,12 @@ def short_conv_prefill_fla(
     weight: torch.Tensor,
     conv_state: torch.Tensor,
     step: ConvStep,
-    conv1d: Callable | None = None,
+    conv1d: PlaneConv | None = None,
     planes: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """y = SiLU(causal depthwise conv) of a varlen batch from each slot's window, and the windows updated —
     the plain contract of ``short_conv_update``. x [T, C] (unit stride on C; a column view is fine), weight
-    [C, W], conv_state [slots, C, S >= W-1]. ``conv1d``: fla's ``causal_conv1d`` (tests may pass its contract).
+    [C, W], conv_state [slots, C, S >= W-1]. ``conv1d``: ``launch_fla_conv`` (tests pass its contract).
     planes=G > 1: one fla launch per G-th of the channels (fla reads the column view in place), returning G
     contiguous [T, C/G] outputs (Kimi's q, k, v: fla's KDA kernels would copy column views of one output)."""
     from kernels.short_conv.triton import write_windows
@@ -83,28 +121,20 @@ def short_conv_prefill_fla(
     n, c, w = step.slots.numel(), x.shape[1], weight.shape[1]
     if planes < 1 or c % planes:
         raise ValueError(f"planes must divide the {c} channels, got {planes}")
-    init = None
-    if step.any_init:  # fla's layout: [N, C, W], the window in columns 1..W-1; zeros for a first chunk
-        init = conv_state.new_zeros(n, c, w)
-        old = conv_state.index_select(0, step.slots_long)[:, :, : w - 1]
-        init[:, :, 1:] = torch.where(step.has_init.bool()[:, None, None], old, 0)  # a fresh slot may hold junk
-    fn = conv1d or _fla_causal_conv1d()
     p = c // planes
-    ys = []
-    for j in range(planes):
-        cols = slice(j * p, (j + 1) * p)
-        y, _ = fn(
-            x[None, :, cols],
-            weight[cols],
-            initial_state=None if init is None else init[:, cols],
-            activation="silu",
-            cu_seqlens=step.cu,
-            cu_seqlens_cpu=step.cu_cpu,
-            chunk_indices=step.chunk_indices,
-        )
-        ys.append(y[0])
+    init = None
+    if step.any_init:  # fla's layout per plane: [N, P, W], the window in columns 1..W-1; zeros for a first chunk
+        init = conv_state.new_zeros(planes, n, p, w)
+        old = conv_state.index_select(0, step.slots_long)[:, :, : w - 1].unflatten(1, (planes, p)).transpose(0, 1)
+        init[..., 1:] = torch.where(step.has_init.bool()[None, :, None, None], old, 0)  # fresh slots may hold junk
+    fn = conv1d or launch_fla_conv
+    weight = weight.contiguous()
+    ys = tuple(
+        fn(x[:, j * p : (j + 1) * p], weight[j * p : (j + 1) * p], None if init is None else init[j], step)
+        for j in range(planes)
+    )
     write_windows(x, weight, conv_state, step.slots, step.qsl, step.has_init)
-    return ys[0] if planes == 1 else tuple(ys)
+    return ys[0] if planes == 1 else ys
 
 
-__all__ = ["FLA_TILE", "ConvStep", "conv_step", "short_conv_prefill_fla"]
+__all__ = ["FLA_TILE", "ConvStep", "PlaneConv", "conv_step", "launch_fla_conv", "short_conv_prefill_fla"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
+from kernels.kda.fla_adapter import chunk_kda_varlen, chunk_layout, fla_available, fused_recurrent_kda_slots
 from kernels.kda.naive import kda_gate, naive_recurrent_kda
 from kernels.kda.recurrent_launch import DEFAULT_RECURRENT_TILE, RecurrentTile, launch_fused_recurrent_kda, tile_for
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, needs_cuda
@@ -150,6 +150,46 @@ def test_chunk_kda_varlen(lens, dtype):
             assert_close(f"h[{i},{c}]", ref_c, states[chunk].float(), 2e-2)
             chunk += 1
     assert chunk == states.shape[0]
+
+
+@pytest.mark.parametrize("lens", [[100], [1, 64, 130, 7], [64, 0, 65]], ids=["one", "varlen", "empty-seq"])
+def test_chunk_layout_is_flas_tables(lens):
+    """The host-built tables equal fla's own prepare_chunk_indices / prepare_chunk_offsets."""
+    from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
+
+    cu = [0]
+    for ln in lens:
+        cu.append(cu[-1] + ln)
+    layout = chunk_layout(cu, DEVICE)
+    ref_cu = torch.tensor(cu)
+    assert torch.equal(layout.chunk_indices.cpu(), prepare_chunk_indices(ref_cu, 64))
+    assert torch.equal(layout.chunk_offsets.cpu(), prepare_chunk_offsets(ref_cu, 64))
+    assert layout.cu.tolist() == cu and layout.cu_cpu.tolist() == cu and layout.num_seqs == len(lens)
+    with pytest.raises(ValueError, match="not decrease"):
+        chunk_layout([0, 5, 3], DEVICE)
+
+
+@needs_cuda
+@pytest.mark.parametrize("with_h", [False, True], ids=["final", "states"])
+@pytest.mark.parametrize("lens", [[8192], [1, 64, 130, 7]], ids=["8k", "varlen"])
+def test_chunk_kda_varlen_is_flas_chunk_kda(lens, with_h):
+    """The direct call of fla's forward gives fla's public chunk_kda bit for bit (bf16, the served dtype)."""
+    from fla.ops.kda import chunk_kda
+
+    h, k, v = 4, 128, 128
+    cu = [0]
+    for ln in lens:
+        cu.append(cu[-1] + ln)
+    q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, torch.bfloat16, seed=5)
+    init = torch.randn(len(lens), h, k, v, device=DEVICE) * 0.1
+    o, final, states = chunk_kda_varlen(q, kk, vv, g, beta, init, chunk_layout(cu, DEVICE), with_h)
+    cu_t = torch.tensor(cu)
+    kw = dict(initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t.cuda())
+    with torch.inference_mode():
+        ref = chunk_kda(*(x[None] for x in (q, kk, vv, g, beta)), return_intermediate_states=with_h, **kw)
+    assert torch.equal(o, ref[0][0]) and torch.equal(final, ref[1])
+    if with_h:
+        assert torch.equal(states, ref[2][0])
 
 
 # --- kernels/kda/recurrent_launch.py: fla's recurrent kernel with our own tile ---------------------------------

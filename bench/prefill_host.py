@@ -1,0 +1,155 @@
+"""Where a prefill step's host (Python) time goes, and how much of it the GPU waits on.
+
+    python -m bench.prefill_host --lengths 8192 32768 --out /tmp/prefill_host.json   # on the H200
+    python -m bench.prefill_host --tiny --lengths 256                                 # on the host: plumbing
+
+A prefill launches ~700 kernels; when launching them takes longer than running them the step is host-bound
+and its wall time is the host's. Three numbers per prompt length, on the mid checkpoint of ``bench.gpu_mid``:
+
+- wall: a one-token generate, synchronised (what ``gpu_mid`` reports);
+- host: the same step with the GPU held busy first (``torch.cuda._sleep``) so no launch waits on the device:
+  the time until the step's first blocking call = the time the host needs to enqueue the step;
+- kernel: the step's GPU kernel time (profiler).
+
+Then a cProfile of one held step: the Python functions that spend the host time (tottime and cumulative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.mid import profile, tandem_bench
+from bench.mid.checkpoint import MidSpec, write_mid_model
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+HOLD_S = 0.5  # GPU busy time ahead of a held step: longer than any host enqueue measured here
+
+
+def _hold_gpu(seconds: float) -> None:
+    """Queue a kernel that spins ~`seconds` so the step's launches never wait on the device."""
+    if torch.cuda.is_available():
+        hz = torch.cuda.get_device_properties(0).clock_rate * 1e3  # kHz -> Hz (SM clock)
+        torch.cuda._sleep(int(seconds * hz))
+
+
+def _blocking_seconds(stats: pstats.Stats) -> float:
+    """Time inside the calls that wait for the device (the held step's first sync absorbs the hold)."""
+    waits = ("item", "tolist", "cpu", "synchronize", "_local_scalar_dense")
+    total = 0.0
+    for (_, _, name), (_, _, tt, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if any(name == w or f"'{w}'" in name for w in waits):  # a function, or "<method 'tolist' of ...>"
+            total += tt
+    return total
+
+
+def _held_host_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> tuple[float, str]:
+    """Host enqueue time of a held step without cProfile's overhead: CPU ops only, from the first op to the
+    start of the op that waits longest (the first blocking call, which absorbs the hold and the kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    tandem_bench.sync(eng.device)
+    _hold_gpu(HOLD_S)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.generate([ids], one)
+    events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    first = min(e.time_range.start for e in events)
+    wait = max(events, key=lambda e: e.self_cpu_time_total)
+    return (wait.time_range.start - first) / 1e6, wait.name
+
+
+def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any]:
+    ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    wall, _ = tandem_bench.prefill_seconds(eng, ids, repeat)
+    held = []
+    for _ in range(repeat):
+        tandem_bench.sync(eng.device)
+        _hold_gpu(HOLD_S)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        eng.generate([ids], one)
+        prof.disable()
+        total = time.perf_counter() - t0
+        stats = pstats.Stats(prof)
+        held.append((total - _blocking_seconds(stats), stats))
+    host_s = statistics.median(h for h, _ in held)
+    plain = [_held_host_seconds(eng, ids, one) for _ in range(repeat)]
+    stats = held[len(held) // 2][1]
+    out = io.StringIO()
+    stats.stream = out  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    with profile.labelled_ops(eng.model):
+        kprof = profile.profiled(lambda: eng.generate([ids], one), eng.device)
+    census = profile.kernel_census(kprof)
+    return {
+        "length": length,
+        "wall_s": wall,
+        "host_enqueue_s": statistics.median(h for h, _ in plain),
+        "host_wait_op": plain[0][1],
+        "host_enqueue_s_cprofile": host_s,
+        "kernel_s": census["kernel_us_per_step"] / 1e6,
+        "kernels_per_step": census["kernels_per_step"],
+        "host_us_per_kernel_cprofile": host_s / max(census["kernels_per_step"], 1) * 1e6,
+        "pstats": out.getvalue(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.prefill_host", description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--top", type=int, default=45)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
+    write_mid_model(model_dir, MidSpec("kimi_linear", a.layers, a.tiny))
+    cfg = EngineConfig(
+        model=str(model_dir),
+        device="cuda" if cuda else "cpu",
+        dtype="bfloat16" if cuda else "float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=max(a.lengths),
+        max_model_len=max(a.lengths) + 64,
+        kv_cache_memory_bytes=(16 << 30) if cuda else (256 << 20),
+    )
+    eng = LLMEngine(cfg)
+    warm = min(512, *a.lengths)
+    eng.prompt_logits(tandem_bench.prompt(warm, eng.model_config.vocab_size, 0))  # compile + fla autotune
+    rows = []
+    for length in a.lengths:
+        r = measure(eng, length, a.repeat, a.top)
+        rows.append(r)
+        print(
+            f"prefill {length}: wall {r['wall_s'] * 1e3:.1f} ms, host enqueue {r['host_enqueue_s'] * 1e3:.1f} ms "
+            f"(waits in {r['host_wait_op']}; under cProfile "
+            f"{r['host_enqueue_s_cprofile'] * 1e3:.1f} ms), kernels {r['kernel_s'] * 1e3:.1f} ms in "
+            f"{r['kernels_per_step']:.0f} launches",
+            flush=True,
+        )
+        print(r["pstats"])
+    if a.out:
+        device = torch.cuda.get_device_name() if cuda else "cpu"
+        a.out.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
