@@ -112,6 +112,13 @@ class EngineConfig:
             not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1
         ):
             raise ValueError(f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes} must be positive sizes")
+        if self.cuda_graphs and self.parallel.enabled:
+            from engine.parallel.config import ParallelLayoutError
+
+            raise ParallelLayoutError(
+                f"unsupported parallel layout {self.parallel.describe()} with --cuda-graphs: "
+                "decode graphs are single-rank only"
+            )
         if self.async_scheduling and not self.cuda_graphs:
             raise ValueError(
                 "async_scheduling needs cuda_graphs (the overlapped step is the static-buffer decode step)"

@@ -189,12 +189,12 @@ def _prefix_store(a: argparse.Namespace):
     return PrefixStoreConfig(redis_url=a.redis_url, tier=tier, instance_id=a.instance_id)
 
 
-def cmd_prefill(a: argparse.Namespace) -> int:
+def prefill_config_from_args(a: argparse.Namespace):
+    """The prefill worker's config; its checks (a producer never speculates, supported layouts) run here,
+    before anything is loaded. deploy/'s manifest test builds its pods' configs with this too."""
     from prefill_svc.config import PrefillConfig
-    from prefill_svc.main import run
 
-    # the config refuses speculative settings before anything is loaded
-    config = PrefillConfig(
+    return PrefillConfig(
         engine_config_from_args(a),
         a.host,
         a.port,
@@ -206,48 +206,62 @@ def cmd_prefill(a: argparse.Namespace) -> int:
         data_port=a.handoff_data_port,
         advertise_host=a.advertise_host,
     )
-    run(config)
+
+
+def decode_config_from_args(a: argparse.Namespace):
+    """The decode worker's config, checked the same way (see ``prefill_config_from_args``)."""
+    import dataclasses
+
+    from decode_svc.config import DecodeConfig
+
+    spec = _speculative(a)
+    return DecodeConfig(
+        dataclasses.replace(engine_config_from_args(a), speculative=spec),
+        a.host,
+        a.port,
+        a.metrics_port,
+        spec,
+        a.drain_seconds,
+        _prefix_store(a),
+        handoff_lanes=a.handoff_lanes or DecodeConfig.handoff_lanes,
+        handoff_transport=a.handoff_transport,
+    )
+
+
+def cmd_prefill(a: argparse.Namespace) -> int:
+    from prefill_svc.main import run
+
+    run(prefill_config_from_args(a))
     return 0
 
 
 def cmd_decode(a: argparse.Namespace) -> int:
-    import dataclasses
-
-    from decode_svc.config import DecodeConfig
     from decode_svc.main import run
 
-    spec = _speculative(a)
-    run(
-        DecodeConfig(
-            dataclasses.replace(engine_config_from_args(a), speculative=spec),
-            a.host,
-            a.port,
-            a.metrics_port,
-            spec,
-            a.drain_seconds,
-            _prefix_store(a),
-            handoff_lanes=a.handoff_lanes or DecodeConfig.handoff_lanes,
-            handoff_transport=a.handoff_transport,
-        )
-    )
+    run(decode_config_from_args(a))
     return 0
 
 
-def cmd_router(a: argparse.Namespace) -> int:
-    from router.main import RouterConfig, run
+def router_config_from_args(a: argparse.Namespace):
+    from router.main import RouterConfig
 
-    run(
-        RouterConfig(
-            model=str(a.model or default_model()),
-            prefill=tuple(a.prefill or ()),
-            decode=tuple(a.decode or ()),
-            host=a.host,
-            http_port=a.http_port,
-            grpc_port=a.grpc_port,
-            served_model_name=a.served_model_name,
-            redis_url=a.redis_url,
-        )
+    return RouterConfig(
+        model=str(a.model or default_model()),
+        prefill=tuple(a.prefill or ()),
+        decode=tuple(a.decode or ()),
+        host=a.host,
+        http_port=a.http_port,
+        grpc_port=a.grpc_port,
+        served_model_name=a.served_model_name,
+        redis_url=a.redis_url,
+        worker_wait_s=a.worker_wait_seconds,
     )
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    from router.main import run
+
+    run(router_config_from_args(a))
     return 0
 
 
@@ -351,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50060)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--redis-url", default=None, help="the workers' prefix index: enables prefix-aware routing")
+    p.add_argument(
+        "--worker-wait-seconds",
+        type=float,
+        default=120.0,
+        help="how long to wait for each worker to answer at startup (GPU workers load and compile for minutes)",
+    )
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("serve", help="router + one prefill + one decode worker on localhost")

@@ -50,11 +50,7 @@ logger = logging.getLogger(__name__)
 class ParallelLLMEngine(LLMEngine):
     def __init__(self, config: EngineConfig) -> None:
         p = config.parallel
-        p.check_model(load_model_config(config.model))  # refuse before any rank starts
-        if config.cuda_graphs:
-            raise ParallelLayoutError(
-                f"unsupported parallel layout {p.describe()} with --cuda-graphs: decode graphs are single-rank only"
-            )
+        p.check_model(load_model_config(config.model))  # refuse before any rank starts (graphs: EngineConfig)
         device = rank_device(resolve_device(config.device), 0)
         backend = resolve_backend(p, device)
         if (backend == "nccl") != (device.type == "cuda"):

@@ -77,9 +77,7 @@ def chunk_layout(cu_seqlens: Sequence[int], device: torch.device | str) -> Chunk
     if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
     chunks = [-(-(b - a) // KDA_CHUNK) for a, b in itertools.pairwise(cu)]
-    offsets = [0]
-    for c in chunks:
-        offsets.append(offsets[-1] + c)
+    offsets = [0, *itertools.accumulate(chunks)]
     pairs = [v for i, c in enumerate(chunks) for j in range(c) for v in (i, j)]
     dev = upload(torch.tensor(cu + offsets + pairs, dtype=torch.int64), torch.device(device))
     n = len(cu)
@@ -115,10 +113,10 @@ def chunk_kda_varlen(
         bench/gpu_kernels_check.py checks that reading against the recurrence.
 
     Calls fla's ``chunk_kda_fwd`` (the forward under ``chunk_kda``'s autograd function) with the layout's
-    tables: ``chunk_kda`` spends ~2 ms of host time a call in wrappers (dispatch, input guard, autocast,
-    ``torch.compiler.disable``, autograd) and its chunk table, and an 8k prefill is host-bound
-    (bench/prefill_host.py). Same kernels, same arguments: q and k L2-normalised by fla's ``l2norm_fwd``
-    (eps 1e-6), scale K^-1/2, fp32 g.
+    tables: ``chunk_kda`` adds host work per call (dispatch, input guard, autocast, ``torch.compiler.disable``,
+    autograd) and rebuilds its chunk table (~12 small device kernels with ``use_graph``); an 8k prefill is
+    host-bound (bench/prefill_host.py). Same kernels, same arguments, bit for bit (tests/kernels/test_kda_fla.py
+    on CUDA): q and k L2-normalised by fla's ``l2norm_fwd`` (eps 1e-6), scale K^-1/2, fp32 g.
     """
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd

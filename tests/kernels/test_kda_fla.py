@@ -8,6 +8,8 @@ interpreter (InterpreterError in its state kernel), so its tests need CUDA.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -82,9 +84,7 @@ def test_spec_2d_slots(varlen):
     n = len(lens)
     idx = torch.arange(1, 1 + n * width, device=DEVICE).view(n, width)  # slot 0 never touched
     acc = torch.tensor([2, 1, 3, 1][:n], device=DEVICE)
-    cu = [0]
-    for ln in lens:
-        cu.append(cu[-1] + ln)
+    cu = [0, *itertools.accumulate(lens)]
     q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, seed=1)
     pool = torch.randn(1 + n * width, h, k, v, device=DEVICE) * 0.1
     ref_o, ref_pool = _ref_spec(q, kk, vv, g, beta, pool, idx, acc.tolist(), cu)
@@ -129,9 +129,7 @@ def test_adapter_validates():
 @pytest.mark.parametrize("lens", [[100], [1, 64, 130, 7]], ids=["one", "varlen"])
 def test_chunk_kda_varlen(lens, dtype):
     h, k, v = 4, 64, 64
-    cu = [0]
-    for ln in lens:
-        cu.append(cu[-1] + ln)
+    cu = [0, *itertools.accumulate(lens)]
     q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, dtype, seed=3)
     init = torch.randn(len(lens), h, k, v, device=DEVICE) * 0.1
     o, final, states = chunk_kda_varlen(q, kk, vv, g, beta, init, cu, return_intermediate_states=True)
@@ -157,9 +155,7 @@ def test_chunk_layout_is_flas_tables(lens):
     """The host-built tables equal fla's own prepare_chunk_indices / prepare_chunk_offsets."""
     from fla.ops.utils.index import prepare_chunk_indices, prepare_chunk_offsets
 
-    cu = [0]
-    for ln in lens:
-        cu.append(cu[-1] + ln)
+    cu = [0, *itertools.accumulate(lens)]
     layout = chunk_layout(cu, DEVICE)
     ref_cu = torch.tensor(cu)
     assert torch.equal(layout.chunk_indices.cpu(), prepare_chunk_indices(ref_cu, 64))
@@ -177,9 +173,7 @@ def test_chunk_kda_varlen_is_flas_chunk_kda(lens, with_h):
     from fla.ops.kda import chunk_kda
 
     h, k, v = 4, 128, 128
-    cu = [0]
-    for ln in lens:
-        cu.append(cu[-1] + ln)
+    cu = [0, *itertools.accumulate(lens)]
     q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, torch.bfloat16, seed=5)
     init = torch.randn(len(lens), h, k, v, device=DEVICE) * 0.1
     o, final, states = chunk_kda_varlen(q, kk, vv, g, beta, init, chunk_layout(cu, DEVICE), with_h)
@@ -261,9 +255,7 @@ def test_tile_spec_matches_fla(bv, k, v):
     h, width = 2, 3
     lens, acc_l = [3, 0, 2, 1], [2, 1, 3, 1]
     n, num_slots = len(lens), 4 * width + 3
-    cu = [0]
-    for ln in lens:
-        cu.append(cu[-1] + ln)
+    cu = [0, *itertools.accumulate(lens)]
     q, kk, vv, g, beta = _inputs(cu[-1], h, k, v, seed=20 + bv)
     gen = torch.Generator().manual_seed(bv)
     pool = (torch.randn(num_slots, h, k, v, generator=gen) * 0.1).to(DEVICE)
