@@ -7,8 +7,10 @@ A prefill launches ~700 kernels; when launching them takes longer than running t
 and its wall time is the host's. Three numbers per prompt length, on the mid checkpoint of ``bench.gpu_mid``:
 
 - wall: a one-token generate, synchronised (what ``gpu_mid`` reports);
-- host: the same step with the GPU held busy first (``torch.cuda._sleep``) so no launch waits on the device:
-  the time until the step's first blocking call = the time the host needs to enqueue the step;
+- host: the same step with the GPU held busy first (``torch.cuda._sleep``) so no launch waits on the device,
+  with no profiler: the time from the step's start until the model runner returns (before and inside
+  ``runner.execute``; the forward has no sync, so this is the time the host needs to enqueue it), and, with
+  the CPU-only profiler, until the first blocking call;
 - kernel: the step's GPU kernel time (profiler).
 
 Then a cProfile of one held step: the Python functions that spend the host time (tottime and cumulative).
@@ -70,6 +72,30 @@ def _held_host_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> t
     return (wait.time_range.start - first) / 1e6, wait.name
 
 
+def _held_execute_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> tuple[float, float]:
+    """(host seconds before the runner, host seconds in the runner) of a held step, uninstrumented: the
+    runner's ``execute`` is timed by a wrapper (two clock reads), nothing else is patched."""
+    marks: list[float] = []
+    inner = eng.runner.execute
+
+    def timed_execute(chunks):
+        marks.append(time.perf_counter())
+        try:
+            return inner(chunks)
+        finally:
+            marks.append(time.perf_counter())
+
+    tandem_bench.sync(eng.device)
+    _hold_gpu(HOLD_S)
+    eng.runner.execute = timed_execute
+    try:
+        t0 = time.perf_counter()
+        eng.generate([ids], one)
+    finally:
+        del eng.runner.execute  # the instance attribute; the class method shows through again
+    return marks[0] - t0, marks[1] - marks[0]
+
+
 def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any]:
     ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -88,6 +114,7 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
         held.append((total - _blocking_seconds(stats), stats))
     host_s = statistics.median(h for h, _ in held)
     plain = [_held_host_seconds(eng, ids, one) for _ in range(repeat)]
+    bare = [_held_execute_seconds(eng, ids, one) for _ in range(repeat)]
     stats = held[len(held) // 2][1]
     out = io.StringIO()
     stats.stream = out  # type: ignore[attr-defined]
@@ -99,6 +126,8 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
     return {
         "length": length,
         "wall_s": wall,
+        "host_before_runner_s": statistics.median(b for b, _ in bare),
+        "host_runner_s": statistics.median(r for _, r in bare),
         "host_enqueue_s": statistics.median(h for h, _ in plain),
         "host_wait_op": plain[0][1],
         "host_enqueue_s_cprofile": host_s,
@@ -138,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(eng, length, a.repeat, a.top)
         rows.append(r)
         print(
-            f"prefill {length}: wall {r['wall_s'] * 1e3:.1f} ms, host enqueue {r['host_enqueue_s'] * 1e3:.1f} ms "
+            f"prefill {length}: wall {r['wall_s'] * 1e3:.1f} ms, host (no profiler) "
+            f"{r['host_before_runner_s'] * 1e3:.1f} ms before the runner + {r['host_runner_s'] * 1e3:.1f} ms in it; "
+            f"host enqueue (CPU profiler) "
+            f"{r['host_enqueue_s'] * 1e3:.1f} ms "
             f"(waits in {r['host_wait_op']}; under cProfile "
             f"{r['host_enqueue_s_cprofile'] * 1e3:.1f} ms), kernels {r['kernel_s'] * 1e3:.1f} ms in "
             f"{r['kernels_per_step']:.0f} launches",

@@ -33,4 +33,5 @@ def test_tiny_run_writes_rows(tmp_path):
     assert prefill_host.main(["--tiny", "--lengths", "64", "--repeat", "1", "--top", "5", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["length"] == 64 and row["wall_s"] > 0 and row["host_enqueue_s"] >= 0
+    assert row["host_before_runner_s"] > 0 and row["host_runner_s"] > 0
     assert "generate" in row["pstats"]
