@@ -17,8 +17,7 @@ from engine.block_hash import hash_block
 from engine.cache.allocator import BlockAllocator
 from engine.cache.tensors import CacheTensors
 from engine.request import Request
-
-KDA_CHUNK = 64
+from kernels.fla_chunks import CHUNK as KDA_CHUNK
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,15 @@ Layouts (flat varlen, as ForwardBatch): q, k, g [T, H, K]; v [T, H, V]; beta [T,
 from __future__ import annotations
 
 import importlib.util
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from kernels.fla_chunks import CHUNK, ChunkLayout, chunk_layout
 from kernels.kda.recurrent_launch import RecurrentTile, launch_fused_recurrent_kda, tile_for
-from kernels.upload import upload
 
 FLA_VERSION = "0.6.0"
-KDA_CHUNK = 64  # chunk_kda's chunk size: its intermediate states sit every 64 tokens of a sequence
+KDA_CHUNK = CHUNK  # chunk_kda's chunk size: its intermediate states sit every 64 tokens of a sequence
 
 
 def fla_available() -> bool:
@@ -47,46 +45,6 @@ def _check_qkv(q, k, v, g, beta) -> None:
 
 def _flat(*xs: torch.Tensor) -> list[torch.Tensor]:
     return [x.contiguous()[None] for x in xs]
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """A varlen batch's chunk tables for fla's chunk kernels, built on the host once per step.
-
-    fla builds them per call: with ``use_graph`` on the device (~12 small kernels a KDA layer), otherwise on
-    the host with a blocking upload. Here they are host-built and uploaded in one pinned, asynchronous copy,
-    and every KDA layer of the step reuses them."""
-
-    cu: torch.Tensor  # [N+1] int64 on the device
-    cu_cpu: torch.Tensor  # [N+1] int64 on the host (fla reads lengths from it)
-    chunk_indices: torch.Tensor  # [NT, 2] int64: (sequence, chunk within it) of each 64-token chunk
-    chunk_offsets: torch.Tensor  # [N+1] int64: each sequence's first chunk
-
-    @property
-    def num_seqs(self) -> int:
-        return self.cu_cpu.numel() - 1
-
-    @property
-    def num_chunks(self) -> int:
-        return self.chunk_indices.shape[0]
-
-
-def chunk_layout(cu_seqlens: Sequence[int], device: torch.device | str) -> ChunkLayout:
-    """The tables fla's ``prepare_chunk_indices`` / ``prepare_chunk_offsets`` make, for host offsets."""
-    cu = [int(c) for c in cu_seqlens]
-    if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
-        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
-    chunks = [-(-(b - a) // KDA_CHUNK) for a, b in itertools.pairwise(cu)]
-    offsets = [0, *itertools.accumulate(chunks)]
-    pairs = [v for i, c in enumerate(chunks) for j in range(c) for v in (i, j)]
-    dev = upload(torch.tensor(cu + offsets + pairs, dtype=torch.int64), torch.device(device))
-    n = len(cu)
-    return ChunkLayout(
-        cu=dev[:n],
-        cu_cpu=torch.tensor(cu, dtype=torch.int64),
-        chunk_indices=dev[2 * n :].view(-1, 2),
-        chunk_offsets=dev[n : 2 * n],
-    )
 
 
 def chunk_kda_varlen(

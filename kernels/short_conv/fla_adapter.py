@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fla_chunks import CHUNK, ChunkLayout, chunk_layout
 from kernels.upload import upload
 
-FLA_TILE = 64
+FLA_TILE = CHUNK
 """fla's tokens per program (its ``chunk_size``); chunk_indices are built for it."""
 
 
@@ -30,29 +31,34 @@ class ConvStep:
     slots_long: torch.Tensor  # [N] int64, for the window gather
     qsl: torch.Tensor  # [N+1] int32
     has_init: torch.Tensor  # [N] int32
-    cu: torch.Tensor  # [N+1] int64
-    cu_cpu: torch.Tensor  # [N+1] int64 on the host (fla reads lengths from it)
-    chunk_indices: torch.Tensor  # [NT, 2] int64 (sequence, tile) of each of fla's programs
+    tables: ChunkLayout  # fla's (sequence, tile) table and offsets: the same tables the KDA kernels take
     any_init: bool
+
+    @property
+    def cu(self) -> torch.Tensor:  # [N+1] int64 on the device
+        return self.tables.cu
+
+    @property
+    def cu_cpu(self) -> torch.Tensor:  # [N+1] int64 on the host (fla reads lengths from it)
+        return self.tables.cu_cpu
+
+    @property
+    def chunk_indices(self) -> torch.Tensor:  # [NT, 2] int64 (sequence, tile) of each of fla's programs
+        return self.tables.chunk_indices
 
 
 def conv_step(slots: Sequence[int], qsl: Sequence[int], has_init: Sequence[bool], device: torch.device) -> ConvStep:
     n = len(slots)
     if len(qsl) != n + 1 or len(has_init) != n or min(slots, default=0) < 0:
         raise ValueError(f"fla conv needs N real slots and N+1 offsets, got {list(slots)}, {list(qsl)}")
-    tiles = [(i, j) for i in range(n) for j in range(-(-(qsl[i + 1] - qsl[i]) // FLA_TILE))]
     ints = list(slots) + list(qsl) + [int(b) for b in has_init]
     dev32 = upload(torch.tensor(ints, dtype=torch.int32), device)
-    longs = list(slots) + list(qsl) + [v for t in tiles for v in t]
-    dev64 = upload(torch.tensor(longs, dtype=torch.int64), device)
     return ConvStep(
         slots=dev32[:n],
-        slots_long=dev64[:n],
+        slots_long=dev32[:n].long(),
         qsl=dev32[n : 2 * n + 1],
         has_init=dev32[2 * n + 1 :],
-        cu=dev64[n : 2 * n + 1],
-        cu_cpu=torch.tensor(list(qsl), dtype=torch.int64),
-        chunk_indices=dev64[2 * n + 1 :].view(-1, 2),
+        tables=chunk_layout(qsl, device),
         any_init=any(has_init),
     )
 
