@@ -65,9 +65,9 @@ def _engine(a: argparse.Namespace, device: str, dtype: str, **kw: Any) -> LLMEng
 
 def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
     """Eager-path numbers (decode graphs off here; run_graphs compares them)."""
-    graphs = getattr(eng.runner, "decode_graphs", None)
-    if graphs is not None:
-        graphs.enabled = False
+    for graphs in (getattr(eng.runner, "decode_graphs", None), getattr(eng.runner, "prefill_graphs", None)):
+        if graphs is not None:
+            graphs.enabled = False
     dev, cfg = eng.device, eng.model_config
     peak = res["ceilings"]["matmul"]["flops_per_s"]
     bw = res["ceilings"]["copy"]["bytes_per_s"]
@@ -107,6 +107,46 @@ def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
             if ctx == a.ctx[0] and b == max(a.batches):
                 _overhead(a, eng, res, ctx, b, t)
             tandem_bench.clear(eng, rids)
+
+
+def run_prefill_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
+    """The prefill lengths again through the piecewise graphs (engine/prefill_graph), on the same engine: time,
+    MFU, speedup over the eager rows above, the first token's logits against the eager step's, and the kernel
+    census of one step (same kernels, fewer launches from the host)."""
+    pg = getattr(eng.runner, "prefill_graphs", None)
+    if pg is None:
+        res["notes"].append("prefill graphs: this engine has none (cuda_graphs off or prefill_graph_max_tokens 0)")
+        return
+    eager = {p["length"]: p for p in res["prefill"]}
+    peak = res["ceilings"]["matmul"]["flops_per_s"]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    lengths = [n for n in a.prefill if n <= pg.buckets[-1]]
+    for length in lengths:
+        ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
+        logits = {}
+        for on in (False, True):
+            pg.enabled = on
+            with tandem_bench.first_logits(eng) as seen:
+                eng.generate([ids], one)  # with graphs: captures this bucket
+            logits[on] = seen[0]
+        t, _ = tandem_bench.prefill_seconds(eng, ids, a.repeat)
+        fl = costs.prefill_flops(eng.model_config, length)
+        diff = (logits[True] - logits[False]).abs().max().item()
+        same = bool((logits[True].argmax(-1) == logits[False].argmax(-1)).all())
+        row = {"length": length, "seconds": t, "tokens_per_s": length / t, "mfu": fl["total"] / t / peak}
+        row.update(eager_seconds=eager[length]["seconds"], max_abs_logit_diff=diff, argmax_equal=same)
+        if length == lengths[-1]:  # the longest: where the kernels, not the launches, should set the time
+            with profile.labelled_ops(eng.model):
+                prof = profile.profiled(lambda ids=ids: eng.generate([ids], one), eng.device)
+            row["census"] = profile.kernel_census(prof)
+        res.setdefault("prefill_graphs", []).append(row)
+        print(
+            f"tandem prefill {length} (piecewise graphs): {t * 1e3:.1f} ms vs eager "
+            f"{row['eager_seconds'] * 1e3:.1f} ms, MFU {row['mfu']:.1%}, logits max diff {diff:.3g}, "
+            f"argmax equal {same}",
+            flush=True,
+        )
+    res["prefill_graph_stats"] = pg.stats()
 
 
 def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: int, b: int, wall: float) -> None:
@@ -310,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         graphs = {"cuda_graphs": not a.no_graphs, "async_scheduling": not a.no_graphs} if _has_graph_flag() else {}
         eng = _engine(a, device.type, dtype_name, **graphs)
         run_tandem(a, eng, res)
+        _save(a.out, res)
+        run_prefill_graphs(a, eng, res)
         _save(a.out, res)
         if not a.no_graphs:
             run_graphs(a, eng, res)

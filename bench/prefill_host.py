@@ -96,6 +96,50 @@ def _held_execute_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -
     return marks[0] - t0, marks[1] - marks[0]
 
 
+# Backend calls a piecewise CUDA graph of the prefill would leave outside its pieces (their launch grids follow
+# the step's sequence layout), and the MoE, which a piece would hold: their host time in a held step.
+_SPLIT = {
+    "kda_core": ("kda", ("short_conv_qkv", "recurrence")),
+    "attention_core": ("attention", ("write_kv", "mla", "gqa")),
+    "moe": ("moe", ("route", "experts")),
+}
+
+
+def _held_split_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> dict[str, float]:
+    """Host seconds of a held step inside each group of backend calls (_SPLIT), uninstrumented otherwise;
+    ``runner`` is the whole of ``execute``, ``other`` what the groups leave of it (GEMMs, norms, glue)."""
+    spent = dict.fromkeys([*_SPLIT, "runner"], 0.0)
+    be = eng.model.backends
+    patched: list[tuple[Any, str]] = []
+
+    def timed(group: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[group] += time.perf_counter() - t0
+
+        return call
+
+    for group, (attr, names) in _SPLIT.items():
+        obj = getattr(be, attr)
+        for name in names:
+            setattr(obj, name, timed(group, getattr(obj, name)))
+            patched.append((obj, name))
+    eng.runner.execute = timed("runner", eng.runner.execute)
+    patched.append((eng.runner, "execute"))
+    tandem_bench.sync(eng.device)
+    _hold_gpu(HOLD_S)
+    try:
+        eng.generate([ids], one)
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)  # instance attributes: the class methods show through again
+    spent["other"] = spent["runner"] - sum(spent[g] for g in _SPLIT)
+    return spent
+
+
 def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any]:
     ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -115,6 +159,8 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
     host_s = statistics.median(h for h, _ in held)
     plain = [_held_host_seconds(eng, ids, one) for _ in range(repeat)]
     bare = [_held_execute_seconds(eng, ids, one) for _ in range(repeat)]
+    splits = [_held_split_seconds(eng, ids, one) for _ in range(repeat)]
+    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     stats = held[len(held) // 2][1]
     out = io.StringIO()
     stats.stream = out  # type: ignore[attr-defined]
@@ -128,6 +174,7 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
         "wall_s": wall,
         "host_before_runner_s": statistics.median(b for b, _ in bare),
         "host_runner_s": statistics.median(r for _, r in bare),
+        "host_split_s": split,
         "host_enqueue_s": statistics.median(h for h, _ in plain),
         "host_wait_op": plain[0][1],
         "host_enqueue_s_cprofile": host_s,
@@ -146,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--top", type=int, default=45)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (piecewise prefill) on")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
@@ -158,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=max(a.lengths),
         max_model_len=max(a.lengths) + 64,
         kv_cache_memory_bytes=(16 << 30) if cuda else (256 << 20),
+        cuda_graphs=a.cuda_graphs,
     )
     eng = LLMEngine(cfg)
     warm = min(512, *a.lengths)
@@ -174,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             f"(waits in {r['host_wait_op']}; under cProfile "
             f"{r['host_enqueue_s_cprofile'] * 1e3:.1f} ms), kernels {r['kernel_s'] * 1e3:.1f} ms in "
             f"{r['kernels_per_step']:.0f} launches",
+            flush=True,
+        )
+        print(
+            "  host in the runner by backend group (held step, ms): "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["host_split_s"].items()),
             flush=True,
         )
         print(r["pstats"])

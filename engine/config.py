@@ -95,6 +95,10 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded batch sizes with a graph (default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); larger
     decode batches run eagerly."""
+    prefill_graph_max_tokens: int = 8192
+    """With cuda_graphs: steps the decode graphs do not take (prefill, mixed, verify) of up to this many tokens
+    (capped by max_num_batched_tokens) run as piecewise CUDA graphs over token buckets, with attention and the
+    KDA conv / recurrence eager between the pieces (engine/prefill_graph). 0: those steps run eagerly."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -112,6 +116,8 @@ class EngineConfig:
             not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1
         ):
             raise ValueError(f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes} must be positive sizes")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"prefill_graph_max_tokens={self.prefill_graph_max_tokens} must be >= 0")
         if self.cuda_graphs and self.parallel.enabled:
             from engine.parallel.config import ParallelLayoutError
 

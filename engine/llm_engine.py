@@ -27,6 +27,7 @@ from engine.models.base import CausalLM, pack_for_device
 from engine.outputs import RequestOutput, request_output
 from engine.overlap import OverlapDecoder
 from engine.pd_import import ImportReservation, ImportSide
+from engine.prefill_graph import PrefillGraphs, default_token_buckets
 from engine.request import InvalidRequestError, Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -114,14 +115,26 @@ class LLMEngine(ImportSide):
     def _make_runner(self) -> ModelRunner:
         runner = ModelRunner(self.model, self.cache, self.device, self.config.page_size)
         if self.config.cuda_graphs:
-            runner.decode_graphs = self._make_decode_graphs()
+            # one page and one KDA slot are taken for good as the padding rows' scratch (both kinds of graph)
+            pad = PadTargets(
+                page=self.pages.allocate(1)[0], slot=self.slots.allocate(1)[0] if self.slots is not None else 0
+            )
+            runner.decode_graphs = self._make_decode_graphs(pad)
+            max_tokens = min(self.config.prefill_graph_max_tokens, self.config.max_num_batched_tokens)
+            if max_tokens > 0:
+                runner.prefill_graphs = PrefillGraphs(
+                    self.model,
+                    self.cache,
+                    self.device,
+                    self.config.page_size,
+                    pad,
+                    default_token_buckets(max_tokens),
+                    capture=self.device.type == "cuda",
+                )
         return runner
 
-    def _make_decode_graphs(self) -> DecodeGraphs:
-        """Static padded decode steps; one page and one KDA slot are taken for good as padding scratch."""
-        pad = PadTargets(
-            page=self.pages.allocate(1)[0], slot=self.slots.allocate(1)[0] if self.slots is not None else 0
-        )
+    def _make_decode_graphs(self, pad: PadTargets) -> DecodeGraphs:
+        """Static padded decode steps."""
         sizes = self.config.cuda_graph_batch_sizes or default_batch_sizes(self.config.max_num_seqs)
         return DecodeGraphs(
             self.model,

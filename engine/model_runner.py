@@ -8,6 +8,7 @@ from engine.cache.tensors import CacheTensors
 from engine.decode_graph import DecodeGraphs
 from engine.forward_batch import ForwardBatch, kv_write_fields
 from engine.models.base import CausalLM
+from engine.prefill_graph import PrefillGraphs
 from engine.scheduler import ScheduledChunk
 from engine.step_rows import StepRows, int64_tensor
 from kernels.upload import upload
@@ -21,6 +22,8 @@ class ModelRunner:
         self.page_size = page_size
         self.decode_graphs: DecodeGraphs | None = None
         """Pure-decode steps through static padded buffers / CUDA graphs (EngineConfig.cuda_graphs)."""
+        self.prefill_graphs: PrefillGraphs | None = None
+        """The other steps as piecewise CUDA graphs over token buckets (EngineConfig.prefill_graph_max_tokens)."""
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         rows = StepRows(self.page_size)
@@ -69,5 +72,8 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
             return self.decode_graphs.run(chunks)
         batch = self.prepare(chunks)
-        hidden = self.model(batch, self.cache)
+        if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
+            hidden = self.prefill_graphs.run(batch)
+        else:
+            hidden = self.model(batch, self.cache)
         return self.model.compute_logits(hidden[batch.logits_indices])

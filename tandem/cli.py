@@ -38,8 +38,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="capture pure-decode steps as CUDA graphs per padded batch size (single-rank engines; off by default "
-        "until validated: docs/PERFORMANCE.md)",
+        help="capture pure-decode steps as CUDA graphs per padded batch size, and other steps as piecewise graphs "
+        "per token bucket (single-rank engines; off by default until validated: docs/PERFORMANCE.md)",
+    )
+    p.add_argument(
+        "--prefill-graph-max-tokens",
+        type=int,
+        default=8192,
+        help="with --cuda-graphs: largest token bucket of the piecewise prefill graphs (0: prefill runs eagerly)",
     )
     p.add_argument(
         "--async-scheduling",
@@ -71,6 +77,7 @@ def engine_config_from_args(a: argparse.Namespace):
         enable_prefix_caching=a.enable_prefix_caching,
         kda_checkpoint_pages=a.kda_checkpoint_pages,
         cuda_graphs=a.cuda_graphs,
+        prefill_graph_max_tokens=a.prefill_graph_max_tokens,
         async_scheduling=a.async_scheduling,
         load_progress=True,
         parallel=ParallelConfig(pcp=a.pcp, pp=a.pp, tp=a.tp, pp_microbatches=a.pp_microbatches),

@@ -67,6 +67,21 @@ def render(res: dict[str, Any]) -> str:
             ]
         )
     parts.append(_table(["prompt", "Tandem tok/s", "ms", "model TFLOP/s", "MFU", "HF tok/s", "Tandem / HF"], rows))
+    if res.get("prefill_graphs"):
+        rows = [
+            [
+                str(p["length"]),
+                _f(p["seconds"], ".1f", 1e3),
+                _f(p["eager_seconds"], ".1f", 1e3),
+                f"{p['eager_seconds'] / p['seconds']:.2f}x",
+                _f(p["mfu"], ".1%"),
+                f"{p['max_abs_logit_diff']:.3g}",
+                str(p["argmax_equal"]),
+            ]
+            for p in res["prefill_graphs"]
+        ]
+        head = ["prompt", "piecewise graphs ms", "eager ms", "speedup", "MFU", "logits max |diff|", "argmax equal"]
+        parts.append(_table(head, rows))
     rows = []
     for d in res["decode"]:
         hf = (hf_all.get("decode") or {}).get(f"{d['ctx']},{d['batch']}")

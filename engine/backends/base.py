@@ -73,6 +73,23 @@ class KDABackend(ABC):
         q, k, v = self.short_conv(x, conv_cache, weight, batch).chunk(3, dim=-1)
         return q, k, v
 
+    def conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """``short_conv_qkv`` of the q | k | v projections, then ``recurrence`` with g [T, H, K] and beta [T, H]:
+        one call, so a piecewise step (engine/prefill_graph) hands q, k, v from the conv to the recurrence
+        without copying them into graph buffers."""
+        t, h, hd = g.shape
+        q, k, v = (z.reshape(t, h, hd) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
+        return self.recurrence(q, k, v, g, beta, state_cache, batch)
+
     @abstractmethod
     def recurrence(
         self,

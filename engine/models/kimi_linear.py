@@ -73,11 +73,10 @@ class KimiDeltaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
             f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
-        qkv = be.kda.short_conv_qkv(qkv, cache.conv[self.layer_idx], self.conv_weight(), batch)
-        q, k, v = (z.reshape(t, h, hd) for z in qkv)
         g = be.kda.gate(self.f_b_proj(f_a), self.A_log, self.dt_bias, hd)  # [T, H, K] fp32
         beta = torch.sigmoid(b)  # [T, H]
-        o = be.kda.recurrence(q, k, v, g, beta, cache.recurrent[self.layer_idx], batch).to(x.dtype)
+        conv, state = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
+        o = be.kda.conv_recurrence(qkv, conv, self.conv_weight(), g, beta, state, batch).to(x.dtype)
         gate = self.g_b_proj(g_a).view(t, h, hd)
         return self.o_proj(self.o_norm(o, gate, be).reshape(t, h * hd))
 

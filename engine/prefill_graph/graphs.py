@@ -1,0 +1,176 @@
+"""Steps the decode graphs do not take (prefill, mixed, verify), padded to a token bucket and run as pieces.
+
+A step's T rows are padded up to the next bucket; the padding rows take token 0 at position 0, flow through
+the row-wise pieces like any row and are never handed to a core (cores see the first T rows), so they read no
+key, write no page or slot, and their core outputs are zero rows. One capture per bucket, lazily on its first
+step: two eager warm-up runs of the padded forward (Triton autotuning, cuBLAS workspaces), then the capture,
+whose cores run on a batch that writes nothing but the padding scratch slot. A capture that fails turns the
+pieces off for good with a warning; steps then run the normal eager path.
+
+On the host (no CUDA) the same padded forward runs eagerly with the cores cut out of it (``EagerRun``): what
+the CPU tests compare with the normal path, token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from engine.cache.tensors import CacheTensors
+from engine.decode_graph.buffers import PadTargets
+from engine.forward_batch import ForwardBatch
+from engine.models.base import CausalLM
+from engine.prefill_graph.pieces import CaptureRun, EagerRun, Pieces, Run, split_backends
+from engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 8192
+"""Largest bucket by default: above it a step's kernels outlast its launches (32k prefill on the H200: 173 ms
+of kernels against 66 ms of host), and a bucket's graph pool holds a forward's activations."""
+
+
+def default_token_buckets(max_tokens: int) -> list[int]:
+    """16 .. 512 by powers of two, then every 256 up to 2048, then every 1024: padding at most ~50 % below 512
+    tokens (where the launches, not the rows, are the cost), 12.5 % up to 2k, 33 % at 3k and less above."""
+    sizes = [16, 32, 64, 128, 256, 512, *range(768, 2049, 256), *range(3072, max(max_tokens, 3072) + 1, 1024)]
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+class PrefillGraphs:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: CacheTensors,
+        device: torch.device,
+        page_size: int,
+        pad: PadTargets,
+        buckets: list[int],
+        capture: bool,
+    ) -> None:
+        self.model, self.cache, self.device, self.page_size, self.pad = model, cache, device, page_size, pad
+        self.buckets = sorted(buckets)
+        top = self.buckets[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.capture = capture and device.type == "cuda"
+        self.enabled = True
+        """Runtime switch (benchmarks compare the pieces with the eager step on one engine)."""
+        self._pieces: dict[int, Pieces] = {}
+        self._batches: dict[int, ForwardBatch] = {}
+        self._pool: Any = None
+        self.counts = {"graph_steps": 0, "eager_padded_steps": 0, "padded_rows": 0, "captures": 0}
+
+    def accepts(self, chunks: list[ScheduledChunk]) -> bool:
+        if not self.enabled or not chunks or self.model.aux_layer_ids:
+            return False  # drafter taps index the rows of the whole forward: the eager path
+        return sum(c.num_tokens for c in chunks) <= self.buckets[-1]
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states of the step's rows [T, hidden] (a view into a pool buffer on the graph
+        path: valid until the next step)."""
+        n = batch.num_tokens
+        bucket = next(b for b in self.buckets if b >= n)
+        self.counts["padded_rows"] += bucket - n
+        self._fill(batch, n, bucket)
+        if self.capture:
+            pieces = self._pieces.get(bucket) or self._capture(bucket)
+            if pieces is None:  # the capture failed: this step (and every later one) takes the eager path
+                return self.model(batch, self.cache)
+            self.counts["graph_steps"] += 1
+            return pieces.replay(batch, n)[:n]
+        self.counts["eager_padded_steps"] += 1
+        return self._forward(bucket, EagerRun(batch, n, bucket))[:n]
+
+    def _fill(self, batch: ForwardBatch, n: int, bucket: int) -> None:
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        if n < bucket:
+            self.input_ids[n:bucket].zero_()
+            self.positions[n:bucket].zero_()
+
+    def _static_batch(self, bucket: int) -> ForwardBatch:
+        """The padded rows as one fresh sequence on the scratch targets: what the pieces see (its input ids and
+        positions are the static buffers) and what the cores run on during warm-up and capture (no KV row is
+        written: every slot is -1; the recurrence starts from zero in the scratch slot)."""
+        if bucket not in self._batches:
+            dev, pages = self.device, -(-bucket // self.page_size)
+            self._batches[bucket] = ForwardBatch(
+                input_ids=self.input_ids[:bucket],
+                positions=self.positions[:bucket],
+                query_start_loc=[0, bucket],
+                context_lens=[bucket],
+                block_tables=[torch.full((pages,), self.pad.page, dtype=torch.int64, device=dev)],
+                slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=dev),
+                state_slots=[self.pad.slot] if self.cache.recurrent else [-1],
+                has_initial_state=[False],
+                logits_indices=torch.tensor([bucket - 1], dtype=torch.int64, device=dev),
+                request_ids=["prefill-graph-capture"],
+                chunk_starts=[0],
+                completes_prompt=[False],
+                checkpoints=[()],
+                kv_write_rows=torch.zeros(0, dtype=torch.int64, device=dev),
+            )
+        return self._batches[bucket]
+
+    def _forward(self, bucket: int, run: Run) -> torch.Tensor:
+        with self._split(run):
+            return self.model(self._static_batch(bucket), self.cache)
+
+    @contextmanager
+    def _split(self, run: Run) -> Iterator[None]:
+        """The model's backends and hooks, cut at the cores for one forward."""
+        model = self.model
+        backends, hooks = model.backends, list(model.layer_hooks)
+        assert backends is not None
+
+        def at_boundary(layer: int, _: ForwardBatch) -> None:
+            def call_hooks(real: ForwardBatch) -> None:
+                for hook in hooks:
+                    hook(layer, real)
+
+            run.boundary(call_hooks)
+
+        model.backends = split_backends(backends, run)
+        model.layer_hooks = [at_boundary] if hooks else []
+        try:
+            yield
+        finally:
+            model.backends, model.layer_hooks = backends, hooks
+
+    def _capture(self, bucket: int) -> Pieces | None:
+        batch = self._static_batch(bucket)
+        current = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles and autotunes at this bucket's shapes, outside any capture
+                    self._forward(bucket, EagerRun(batch, bucket, bucket, hooks=False))
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                run = CaptureRun(batch, self._pool)
+                run.begin()
+                try:
+                    hidden = self._forward(bucket, run)
+                except Exception:
+                    run.abandon()
+                    raise
+                run.end()
+            current.wait_stream(stream)
+        except Exception as err:  # an op that syncs or allocates on the host: keep serving eagerly
+            logger.warning("prefill CUDA graph capture failed at %d tokens (%s); prefill runs eagerly", bucket, err)
+            self.enabled = False
+            torch.cuda.synchronize(self.device)
+            return None
+        self.counts["captures"] += 1
+        self._pieces[bucket] = run.pieces(hidden)
+        return self._pieces[bucket]
+
+    def stats(self) -> dict[str, Any]:
+        pieces = {b: sum(g is not None for g in p.graphs) for b, p in sorted(self._pieces.items())}
+        return {**self.counts, "pieces": pieces, "capture": self.capture, "enabled": self.enabled}
