@@ -74,6 +74,8 @@ class LLMEngine(ImportSide):
         """Run after a step's forward, before its outputs are made (a P/D producer flushes its messages)."""
         """Called on the engine thread after each step with the (hash, page) and (hash, slot) filed
         in it, while their contents are still in place (the prefix tier copies them out here)."""
+        self.scratch: PadTargets | None = None
+        """The page and KDA slot the graph paths' padding rows use (taken for good with cuda_graphs)."""
         self.runner = self._make_runner()
         self.drafter = build_drafter(config.speculative, self.model, self.model_config, self.dtype, self.device)
         self.sampler = Sampler(config.seed)
@@ -116,7 +118,7 @@ class LLMEngine(ImportSide):
         runner = ModelRunner(self.model, self.cache, self.device, self.config.page_size)
         if self.config.cuda_graphs:
             # one page and one KDA slot are taken for good as the padding rows' scratch (both kinds of graph)
-            pad = PadTargets(
+            pad = self.scratch = PadTargets(
                 page=self.pages.allocate(1)[0], slot=self.slots.allocate(1)[0] if self.slots is not None else 0
             )
             runner.decode_graphs = self._make_decode_graphs(pad)
@@ -207,6 +209,16 @@ class LLMEngine(ImportSide):
                 del self._aux_requests[t]
         own = self.drafter.aux_layer_ids if self.drafter is not None and self.drafter.needs_aux else ()
         self.model.aux_layer_ids = tuple(sorted(set(own) | set(self._aux_requests)))
+
+    @property
+    def pages_in_use(self) -> int:
+        """KV pages held for requests (not the padding scratch page)."""
+        return self.pages.num_used - (self.scratch is not None)
+
+    @property
+    def slots_in_use(self) -> int:
+        """KDA slots held for requests (not the padding scratch slot)."""
+        return 0 if self.slots is None else self.slots.num_used - (self.scratch is not None)
 
     @property
     def num_outstanding(self) -> int:

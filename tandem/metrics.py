@@ -55,6 +55,25 @@ class WorkerMetrics:
         self.slots_in_use.set_function(slots)
         self.outstanding.set_function(outstanding)
 
+    def track_graphs(self, runner) -> None:
+        """Steps through the static decode path and the piecewise prefill path (engine/decode_graph,
+        engine/prefill_graph), replayed from CUDA graphs or run eagerly (the host), read at scrape time."""
+        steps = Gauge(
+            f"{self.prefix}_graph_steps",
+            "Steps on the graph paths, by path and how they ran",
+            ["graphs", "run"],
+            registry=self.registry,
+        )
+        for name, attr, eager in (
+            ("decode", "decode_graphs", "eager_static_steps"),
+            ("prefill", "prefill_graphs", "eager_padded_steps"),
+        ):
+            graphs = getattr(runner, attr, None)
+            if graphs is None:
+                continue
+            for run, key in (("replayed", "graph_steps"), ("eager", eager)):
+                steps.labels(name, run).set_function(lambda graphs=graphs, key=key: graphs.counts[key])
+
     def track_prefix(self, engine, store) -> None:
         """Prefix-cache hits (device and tier) and the tier's health, read at scrape time."""
         r, p = self.registry, self.prefix

@@ -41,10 +41,12 @@ async def run_worker(
     fingerprint = compute_fingerprint(engine_config.model, engine.model_config, engine.dtype, engine_config.page_size)
     metrics = WorkerMetrics(role)
     metrics.track_engine(
-        lambda: engine.pages.num_used,
-        lambda: engine.slots.num_used if engine.slots is not None else 0,
+        lambda: engine.pages_in_use,
+        lambda: engine.slots_in_use,
         lambda: engine.num_outstanding,
     )
+    if getattr(engine, "runner", None) is not None:  # a single-rank engine (a parallel one has no graphs)
+        metrics.track_graphs(engine.runner)
     # bind first: port 0 picks a free port, and the bound address names this worker in the index
     server, health = make_server([service_name])
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.sampling_params import SamplingParams
-from tandem.cluster import LocalCluster
+from tandem.cluster import LocalCluster, WorkerSpec
 from tandem.rpc import router_pb2, router_pb2_grpc
 from tests.conftest import make_engine, random_prompts
 from tests.e2e.helpers import in_use, scrape, wait_all_free
@@ -182,3 +182,32 @@ def test_bad_http_input_is_4xx_and_server_keeps_serving(cluster):
         assert err["error"]["message"], err
     status, ok = post(json.dumps({"model": name, "prompt": "hi", "max_tokens": 3}).encode())
     assert status == 200 and ok["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3"])
+def test_graph_paths_on_both_workers_are_token_exact(tiny_models, tmp_path, arch):
+    """--cuda-graphs on both workers. On the host the prefill worker runs its steps padded to token buckets with
+    the cores cut out and the producer's per-layer hooks between the pieces (engine/prefill_graph); its
+    64-token steps chunk the longer prompts, whose pages stream layer by layer from those hooks. The decode
+    worker runs padded static decode steps. Tokens as the single-process engine's, nothing held after."""
+    workers = [
+        WorkerSpec("prefill", ["--cuda-graphs", "--max-num-batched-tokens", "64"]),
+        WorkerSpec("decode", ["--cuda-graphs"]),
+    ]
+    c = LocalCluster(tiny_models[arch], workers=workers, log_dir=tmp_path)
+    c.start()
+    try:
+        prompts = random_prompts(6, [1, 17, 64, 100, 150, 33], seed=21)
+        res = asyncio.run(_complete_all(c, prompts, temperature=0, extra_body={"ignore_eos": True}))
+        engine = make_engine(tiny_models[arch])
+        want = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        for p, r, w in zip(prompts, res, want, strict=True):
+            assert r.choices[0].text == engine.tokenizer.decode(w.output_token_ids), f"{len(p)}-token prompt diverges"
+        ok, used, _ = wait_all_free(c, 2.0)
+        assert ok, used
+        prefill = scrape(c.worker("prefill").metrics_port)
+        decode = scrape(c.worker("decode").metrics_port)
+        assert prefill['tandem_prefill_graph_steps{graphs="prefill",run="eager"}'] >= len(prompts)
+        assert decode['tandem_decode_graph_steps{graphs="decode",run="eager"}'] >= MAX_TOKENS - 1
+    finally:
+        c.stop()
