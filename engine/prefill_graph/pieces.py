@@ -78,8 +78,6 @@ class CoreStep:
     fn: CoreFn
     rows: tuple[torch.Tensor, ...]
     outs: tuple[torch.Tensor, ...]
-    hook: bool = False
-    """A per-layer hook: runs with the real batch only, never on the capture batch."""
 
     def run(self, batch: ForwardBatch, n: int) -> None:
         out = self.fn(batch, *(r[:n] for r in self.rows))
@@ -146,7 +144,7 @@ class CaptureRun:
 
     def boundary(self, fn: Callable[[ForwardBatch], None]) -> None:
         self.end()
-        self.steps.append(CoreStep(lambda batch: fn(batch), (), (), hook=True))
+        self.steps.append(CoreStep(fn, (), ()))  # hooks: not run on the capture batch, only at replays
         self.begin()
 
     def pieces(self, hidden: torch.Tensor) -> Pieces:
