@@ -16,6 +16,8 @@
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
+#   bash bench/gpu_session.sh prefill-graphs # 1 x H200: prefill 512 .. 8k eager vs piecewise graphs (same engine),
+#                                            # then the host time of a graph step by backend group
 #   bash bench/gpu_session.sh handoff        # the GPU host's 16 cores: KV handoff gRPC vs raw TCP (issue 3; ~1 min;
 #                                            # needs grpcio 1.78.0 + protobuf 6.33.6 + zlib-ng 1.1.0 cp312 wheels too)
 #
@@ -31,7 +33,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|conv-sweep|prefill-host|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -53,6 +55,10 @@ case "$step" in
   conv-sweep) python -m bench.short_conv_sweep --out "$OUT/short_conv_sweep.json" "$@" ;;
   prefill-host) python -m bench.prefill_host --lengths 8192 32768 --out "$OUT/prefill_host.json" "$@" \
       | tee "$OUT/prefill_host.txt" ;;
+  prefill-graphs) python -m bench.gpu_mid --parts tandem --prefill 512 1024 2048 4096 8192 --ctx 4096 --batches 64 \
+      --decode-steps 10 --repeat 3 --out "$OUT/mid_tandem_prefill_graphs.json" "$@"
+    python -m bench.prefill_host --lengths 2048 8192 --cuda-graphs --out "$OUT/prefill_host_graphs.json" \
+      | tee "$OUT/prefill_host_graphs.txt" ;;
   producer) python -m bench.producer_overhead --prefill 8192 32768 "$@" | tee "$OUT/producer_overhead.txt" ;;
   handoff) python -m bench.handoff --total-mib 128 --repeats 3 "$@" | tee "$OUT/handoff.txt" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
