@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from bench.call_timer import timed_calls
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.parallel import create_engine
@@ -108,30 +109,16 @@ def pcp_breakdown(eng: Any, prompts: list[list[int]]) -> dict[str, float]:
     """Seconds rank 0 spends in PCP collectives (all of them, the KDA layout exchanges included) and in KDA
     (the conv over its own segments, the recurrence over them plus the scan and its gather), one prefill."""
     keys = ("collectives", "KDA short conv (own segments)", "KDA recurrence (own segments + scan)")
-    spent = dict.fromkeys(keys, 0.0)
-
-    def timing(obj: Any, name: str, key: str) -> None:
-        fn = getattr(obj, name)
-
-        def wrapped(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[key] += time.perf_counter() - t0
-
-        setattr(obj, name, wrapped)
-
-    timing(eng.groups, "all_gather", keys[0])
-    timing(eng.groups, "all_reduce", keys[0])
-    timing(eng.groups, "all_to_all", keys[0])
+    targets = [(eng.groups, name, keys[0]) for name in ("all_gather", "all_reduce", "all_to_all")]
     kda = eng.model.backends.kda
     if hasattr(kda, "inner"):
-        timing(kda.inner, "short_conv", keys[1])
-        timing(kda, "_scan", keys[2])
-    t0 = time.perf_counter()
-    eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    spent["step total"] = time.perf_counter() - t0
+        targets += [(kda.inner, "short_conv", keys[1]), (kda, "_scan", keys[2])]
+    with timed_calls(targets) as times:
+        t0 = time.perf_counter()
+        eng.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        total = time.perf_counter() - t0
+    spent = {key: times.spent.get(key, 0.0) for key in keys}
+    spent["step total"] = total
     return spent
 
 

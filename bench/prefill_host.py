@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from bench.call_timer import timed_calls
 from bench.mid import profile, tandem_bench
 from bench.mid.checkpoint import MidSpec, write_mid_model
 from engine.config import EngineConfig
@@ -72,72 +73,30 @@ def _held_host_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> t
     return (wait.time_range.start - first) / 1e6, wait.name
 
 
-def _held_execute_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> tuple[float, float]:
-    """(host seconds before the runner, host seconds in the runner) of a held step, uninstrumented: the
-    runner's ``execute`` is timed by a wrapper (two clock reads), nothing else is patched."""
-    marks: list[float] = []
-    inner = eng.runner.execute
-
-    def timed_execute(chunks):
-        marks.append(time.perf_counter())
-        try:
-            return inner(chunks)
-        finally:
-            marks.append(time.perf_counter())
-
-    tandem_bench.sync(eng.device)
-    _hold_gpu(HOLD_S)
-    eng.runner.execute = timed_execute
-    try:
-        t0 = time.perf_counter()
-        eng.generate([ids], one)
-    finally:
-        del eng.runner.execute  # the instance attribute; the class method shows through again
-    return marks[0] - t0, marks[1] - marks[0]
-
-
-# Backend calls a piecewise CUDA graph of the prefill would leave outside its pieces (their launch grids follow
-# the step's sequence layout), and the MoE, which a piece would hold: their host time in a held step.
-_SPLIT = {
-    "kda_core": ("kda", ("short_conv_qkv", "recurrence")),
+# Backend calls a piecewise CUDA graph leaves outside its pieces (their launch grids follow the step's sequence
+# layout), and the MoE, which a piece holds: their host time in a held step.
+_GROUPS = {
+    "kda_core": ("kda", ("conv_recurrence",)),
     "attention_core": ("attention", ("write_kv", "mla", "gqa")),
     "moe": ("moe", ("route", "experts")),
 }
 
 
-def _held_split_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> dict[str, float]:
-    """Host seconds of a held step inside each group of backend calls (_SPLIT), uninstrumented otherwise;
-    ``runner`` is the whole of ``execute``, ``other`` what the groups leave of it (GEMMs, norms, glue)."""
-    spent = dict.fromkeys([*_SPLIT, "runner"], 0.0)
+def _held_step_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> dict[str, float]:
+    """Host seconds of a held step, uninstrumented but for the wrapped calls: before the model runner
+    (``before_runner``), in it (``runner``), inside each group of backend calls (_GROUPS) and the rest of the
+    runner (``other``: GEMMs, norms, glue)."""
     be = eng.model.backends
-    patched: list[tuple[Any, str]] = []
-
-    def timed(group: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[group] += time.perf_counter() - t0
-
-        return call
-
-    for group, (attr, names) in _SPLIT.items():
-        obj = getattr(be, attr)
-        for name in names:
-            setattr(obj, name, timed(group, getattr(obj, name)))
-            patched.append((obj, name))
-    eng.runner.execute = timed("runner", eng.runner.execute)
-    patched.append((eng.runner, "execute"))
+    targets = [(getattr(be, attr), name, group) for group, (attr, names) in _GROUPS.items() for name in names]
     tandem_bench.sync(eng.device)
     _hold_gpu(HOLD_S)
-    try:
+    with timed_calls([*targets, (eng.runner, "execute", "runner")]) as times:
+        t0 = time.perf_counter()
         eng.generate([ids], one)
-    finally:
-        for obj, name in patched:
-            delattr(obj, name)  # instance attributes: the class methods show through again
-    spent["other"] = spent["runner"] - sum(spent[g] for g in _SPLIT)
-    return spent
+    out = dict(times.spent)
+    out["before_runner"] = times.first_start["runner"] - t0
+    out["other"] = out["runner"] - sum(out[g] for g in _GROUPS)
+    return out
 
 
 def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any]:
@@ -158,9 +117,8 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
         held.append((total - _blocking_seconds(stats), stats))
     host_s = statistics.median(h for h, _ in held)
     plain = [_held_host_seconds(eng, ids, one) for _ in range(repeat)]
-    bare = [_held_execute_seconds(eng, ids, one) for _ in range(repeat)]
-    splits = [_held_split_seconds(eng, ids, one) for _ in range(repeat)]
-    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+    bare = [_held_step_seconds(eng, ids, one) for _ in range(repeat)]
+    split = {k: statistics.median(b[k] for b in bare) for k in bare[0]}
     stats = held[len(held) // 2][1]
     out = io.StringIO()
     stats.stream = out  # type: ignore[attr-defined]
@@ -172,8 +130,8 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
     return {
         "length": length,
         "wall_s": wall,
-        "host_before_runner_s": statistics.median(b for b, _ in bare),
-        "host_runner_s": statistics.median(r for _, r in bare),
+        "host_before_runner_s": split.pop("before_runner"),
+        "host_runner_s": split["runner"],
         "host_split_s": split,
         "host_enqueue_s": statistics.median(h for h, _ in plain),
         "host_wait_op": plain[0][1],

@@ -84,9 +84,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """PCP / PP / TP layout; one process per rank, started by the engine (docs/PARALLEL.md)."""
     cuda_graphs: bool = False
-    """Run pure-decode steps on static padded buffers, captured as CUDA graphs per batch size (vLLM's
-    default; off here until validated on the GPU). On the host the same padded path runs eagerly. One page
-    and one KDA slot are reserved as the padding rows' scratch. Single-process engines only."""
+    """Run pure-decode steps on static padded buffers, captured as CUDA graphs per batch size, and the other
+    steps as piecewise graphs per token bucket (prefill_graph_max_tokens) — vLLM's default; off here until
+    validated on the GPU. On the host the same padded paths run eagerly. One page and one KDA slot are
+    reserved as the padding rows' scratch. Single-process engines only."""
     async_scheduling: bool = False
     """Overlap a pure-decode step's host work with the previous step's GPU work (vLLM's async scheduling):
     the next step is launched with the previous step's ids still on the device (engine/overlap.py). Needs
