@@ -34,6 +34,7 @@ import torch
 
 from bench.mid import costs, hf_bench, profile, roofline, tandem_bench
 from bench.mid.checkpoint import MidSpec, write_mid_model
+from bench.mid.moe_ab import run_moe_prefill_ab
 from bench.mid.report import render
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-decode-steps", type=int, default=5)
     p.add_argument("--hf-max-decode-tokens", type=int, default=1 << 21)
     p.add_argument("--no-graphs", action="store_true", help="skip the eager-vs-graph decode comparison")
+    p.add_argument("--moe-prefill-ab", action="store_true", help="MoE prefill kernels off / on, interleaved (eager)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help="default: bf16 on CUDA")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
@@ -351,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         eng = _engine(a, device.type, dtype_name, **graphs)
         run_tandem(a, eng, res)
         _save(a.out, res)
+        if a.moe_prefill_ab:
+            run_moe_prefill_ab(a, eng, res)
+            _save(a.out, res)
         run_prefill_graphs(a, eng, res)
         _save(a.out, res)
         if not a.no_graphs:

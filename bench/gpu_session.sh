@@ -13,6 +13,10 @@
 #   bash bench/gpu_session.sh mla-prefill    # 1 x H200: MLA prefill with no prefix, Triton vs torch SDPA backends
 #   bash bench/gpu_session.sh moe-decode     # 1 x H200: kernels/moe/decode.py vs the grouped path (check + tiles),
 #                                            # then decode steps with them (the default since the sixth session)
+#   bash bench/gpu_session.sh moe-prefill    # 1 x H200: kernels/moe/prefill.py vs the grouped path (tile sweep at 8k,
+#                                            # the best tiles at 32k) and the MoE kernel tests on the GPU
+#   bash bench/gpu_session.sh moe-prefill-ab # 1 x H200: Kimi mid prefill 8k / 32k (eager and piecewise graphs) with
+#                                            # the grouped path, then with the prefill kernels (two processes)
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -33,7 +37,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -52,6 +56,13 @@ case "$step" in
   moe-decode) python -m bench.gpu_kernels_check --only moe | tee "$OUT/moe_check.txt"
     TANDEM_MOE_DECODE_KERNELS=1 python -m bench.gpu_mid --parts tandem --prefill 8192 --ctx 4096 32768 \
       --batches 1 16 64 --decode-steps 20 --repeat 2 --out "$OUT/mid_tandem_moe_decode.json" "$@" ;;
+  moe-prefill) python -m pytest -q tests/kernels/test_moe_prefill.py tests/kernels/test_moe.py \
+      tests/kernels/test_gpu_backend.py -k "moe or prefill" 2>&1 | tee "$OUT/gpu_tests_moe_prefill.txt"
+    python -m bench.moe_prefill_sweep --out "$OUT/moe_prefill_sweep.json" "$@" | tee "$OUT/moe_prefill_sweep.txt" ;;
+  moe-prefill-ab) for on in 0 1; do
+      TANDEM_MOE_PREFILL_KERNELS=$on python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 4096 \
+        --batches 64 --decode-steps 10 --repeat 3 --out "$OUT/mid_tandem_moe_prefill_$on.json" "$@"
+    done ;;
   conv-sweep) python -m bench.short_conv_sweep --out "$OUT/short_conv_sweep.json" "$@" ;;
   prefill-host) python -m bench.prefill_host --lengths 8192 32768 --out "$OUT/prefill_host.json" "$@" \
       | tee "$OUT/prefill_host.txt" ;;

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from bench.call_timer import timed_calls
+from bench.mid import gaps as mid_gaps
 from bench.mid import profile, tandem_bench
 from bench.mid.checkpoint import MidSpec, write_mid_model
 from engine.config import EngineConfig
@@ -99,7 +100,7 @@ def _held_step_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> d
     return out
 
 
-def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any]:
+def measure(eng: LLMEngine, length: int, repeat: int, top: int, trace_dir: Path | None = None) -> dict[str, Any]:
     ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     wall, _ = tandem_bench.prefill_seconds(eng, ids, repeat)
@@ -127,7 +128,14 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int) -> dict[str, Any
     with profile.labelled_ops(eng.model):
         kprof = profile.profiled(lambda: eng.generate([ids], one), eng.device)
     census = profile.kernel_census(kprof)
+    gaps = None
+    if trace_dir is not None:  # where the GPU waited in the profiled step (bench/mid/gaps.py)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        path = trace_dir / f"prefill-{length}-trace.json.gz"
+        kprof.export_chrome_trace(str(path))
+        gaps = mid_gaps.report(path.name, mid_gaps.summarise(mid_gaps.load_events(path), min_gap_us=50.0, top=12))
     return {
+        "gaps": gaps,
         "length": length,
         "wall_s": wall,
         "host_before_runner_s": split.pop("before_runner"),
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=45)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (piecewise prefill) on")
+    p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled step's trace, list its GPU gaps")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
@@ -171,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     eng.prompt_logits(tandem_bench.prompt(warm, eng.model_config.vocab_size, 0))  # compile + fla autotune
     rows = []
     for length in a.lengths:
-        r = measure(eng, length, a.repeat, a.top)
+        r = measure(eng, length, a.repeat, a.top, a.trace_dir)
         rows.append(r)
         print(
             f"prefill {length}: wall {r['wall_s'] * 1e3:.1f} ms, host (no profiler) "
@@ -188,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["host_split_s"].items()),
             flush=True,
         )
+        if r["gaps"]:
+            print(r["gaps"], flush=True)
         print(r["pstats"])
     if a.out:
         device = torch.cuda.get_device_name() if cuda else "cpu"

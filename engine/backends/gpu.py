@@ -1,4 +1,4 @@
-"""GPU backends: Triton attention and routing, grouped-GEMM / decode-kernel MoE; KDA in gpu_kda.py.
+"""GPU backends: Triton attention and routing, MoE experts by Triton kernels (or grouped GEMMs); KDA in gpu_kda.py.
 
 Same interfaces and results as torch_ref.py (the contract); only speed differs. Per-step metadata (packed
 block tables, work lists, slot tensors) is built on the first layer that sees a ForwardBatch and reused by
@@ -23,7 +23,8 @@ from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
-from kernels.moe.grouped import grouped_mm_supported, grouped_moe
+from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align
+from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
@@ -121,23 +122,34 @@ class GPUAttentionBackend(AttentionBackend):
 
 
 class GPUMoEBackend(MoEBackend):
-    """Routing with one Triton kernel; experts as grouped GEMMs over expert-sorted tokens, or decode-sized
-    steps through the two launches of kernels/moe/decode.py (default; measured on an H200 at T=64: 0.61 vs
-    0.94 ms a layer, docs/PERFORMANCE.md; ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), and
-    always where the grouped path would need the host (fp32 on CUDA)."""
+    """Routing with one Triton kernel; experts by the step's size: decode-sized steps through the two launches
+    of kernels/moe/decode.py (measured on an H200 at T=64: 0.61 vs 0.94 ms a layer, docs/PERFORMANCE.md;
+    ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), longer ones through the tile-scheduled kernels
+    of kernels/moe/prefill.py (the gather and SwiGLU fused into the GEMMs; ``TANDEM_MOE_PREFILL_KERNELS=0``
+    keeps torch's grouped GEMMs for bf16). fp32 on CUDA always takes the kernels: the grouped path would
+    read the group sizes on the host."""
 
-    def __init__(self, experts_impl: str = "auto", decode_kernels: bool | None = None) -> None:
+    def __init__(
+        self, experts_impl: str = "auto", decode_kernels: bool | None = None, prefill_kernels: bool | None = None
+    ) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
             decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
+        if prefill_kernels is None:
+            prefill_kernels = os.environ.get("TANDEM_MOE_PREFILL_KERNELS", "1") != "0"
         self.decode_kernels = decode_kernels
+        self.prefill_kernels = prefill_kernels
         self._decode_failed = False
+        self._prefill_failed = False
 
     def _decode_path(self, x: torch.Tensor) -> bool:
         """Opted in, or the only path without host syncs: torch's grouped GEMM is bf16-only and the
         per-expert loop it falls back to (fp32) reads the group sizes on the host, which a decode CUDA
         graph cannot hold."""
         return not self._decode_failed and (self.decode_kernels or self._grouped_needs_host(x))
+
+    def _prefill_path(self, x: torch.Tensor) -> bool:
+        return not self._prefill_failed and (self.prefill_kernels or self._grouped_needs_host(x))
 
     @staticmethod
     def _grouped_needs_host(x: torch.Tensor) -> bool:
@@ -165,7 +177,8 @@ class GPUMoEBackend(MoEBackend):
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if w13 is not None and 0 < ids.numel() <= DECODE_MAX_PAIRS and self._decode_path(x):
+        pairs = ids.numel()
+        if w13 is not None and 0 < pairs <= DECODE_MAX_PAIRS and self._decode_path(x):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
                 y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
@@ -173,6 +186,14 @@ class GPUMoEBackend(MoEBackend):
             except Exception as err:  # e.g. a compile failure on an untried GPU: the grouped path, for good
                 self._decode_failed = True
                 logger.warning("MoE decode kernels failed (%s); decode steps use the grouped path", err)
+        if w13 is not None and pairs > DECODE_MAX_PAIRS and self._prefill_path(x):
+            try:
+                al = moe_align(ids, w13.shape[0])
+                y = moe_experts_prefill(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
+                return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
+            except Exception as err:  # as above: the grouped path, for good
+                self._prefill_failed = True
+                logger.warning("MoE prefill kernels failed (%s); long steps use the grouped path", err)
         return grouped_moe(
             x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto, combine=moe_combine_auto
         )

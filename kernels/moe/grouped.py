@@ -78,8 +78,10 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def _gemm_grouped(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    # a [R, in] sorted rows; w [E, out, in] -> a @ w[e]^T per group. w.transpose is the column-major [E, in, out]
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """a [R, in] sorted rows; w [E, out, in]; offsets [E] int32 group ends -> a @ w[e]^T per group (torch's
+    grouped_mm: bf16 on CUDA sm80+, ``grouped_mm_supported``)."""
+    # w.transpose is the column-major [E, in, out]
     return _grouped_mm(a, w.transpose(1, 2), offs=offsets)
 
 
@@ -125,7 +127,7 @@ def grouped_moe(
         raise ValueError(f"impl must be auto, grouped_mm or loop, got {impl!r}")
     if impl == "grouped_mm" and _grouped_mm is None:
         raise RuntimeError("this torch has no grouped_mm")
-    gemm = _gemm_grouped if impl == "grouped_mm" else _gemm_loop
+    gemm = grouped_gemm if impl == "grouped_mm" else _gemm_loop
     t = ids.shape[0]
     if t == 0:
         return torch.zeros_like(x)
@@ -152,4 +154,4 @@ def grouped_moe(
     return (combine or moe_combine)(y, al.rows_of_pairs(), weights, x.dtype)
 
 
-__all__ = ["MoEAlign", "grouped_mm_supported", "grouped_moe", "moe_align", "moe_combine"]
+__all__ = ["MoEAlign", "grouped_gemm", "grouped_mm_supported", "grouped_moe", "moe_align", "moe_combine"]

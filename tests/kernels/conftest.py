@@ -32,6 +32,7 @@ TRITON_MODULES = (
     "kernels.moe.align",
     "kernels.moe.combine",
     "kernels.moe.decode",
+    "kernels.moe.prefill",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
     "kernels.paged_attention.mla_decode",

@@ -229,6 +229,43 @@ def test_moe_matches_reference(path, monkeypatch):
         assert len(launched) == 1
 
 
+@pytest.mark.parametrize("path", ["prefill kernels", "grouped", "fp32 on CUDA", "prefill kernels failing"])
+def test_moe_long_steps_match_reference(path, monkeypatch):
+    """Steps past the decode size (here: past 8 pairs) take kernels/moe/prefill.py unless turned off; fp32 on
+    CUDA takes them unasked; a failure falls back to the grouped path for good."""
+    import engine.backends.gpu as gpu_mod
+
+    launched = []
+    real = gpu_mod.moe_experts_prefill
+
+    def prefill(*a, **kw):
+        launched.append(1)
+        if path == "prefill kernels failing":
+            raise RuntimeError("no kernel for this GPU")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gpu_mod, "moe_experts_prefill", prefill)
+    monkeypatch.setattr(gpu_mod, "DECODE_MAX_PAIRS", 8)
+    monkeypatch.setattr(GPUMoEBackend, "_grouped_needs_host", staticmethod(lambda x: path == "fp32 on CUDA"))
+    gen = torch.Generator().manual_seed(5)
+    t, e, k, hd, i = 21, 8, 2, 32, 16
+    logits = torch.randn(t, e, generator=gen).to(DEVICE)
+    gpu = GPUMoEBackend(prefill_kernels=path in ("prefill kernels", "prefill kernels failing"))
+    ref = TorchMoEBackend()
+    w, ids = ref.route(logits, None, k, True, 2.446)
+    x = torch.randn(t, hd, generator=gen).to(DEVICE)
+    w13 = torch.randn(e, 2 * i, hd, generator=gen).to(DEVICE)
+    w1, w3 = w13[:, :i], w13[:, i:]
+    w2 = torch.randn(e, hd, i, generator=gen).to(DEVICE)
+    want = ref.experts(x, w, ids, w1, w3, w2)
+    assert_close("experts", want, gpu.experts(x, w, ids, w1, w3, w2, w13), tol(torch.float32))
+    assert bool(launched) == (path != "grouped")
+    if path == "prefill kernels failing":
+        assert gpu._prefill_failed
+        gpu.experts(x, w, ids, w1, w3, w2, w13)
+        assert len(launched) == 1
+
+
 # ---- select_backends ------------------------------------------------------------------------------
 
 
