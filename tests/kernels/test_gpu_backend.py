@@ -323,3 +323,25 @@ def test_engine_tokens_match_reference(tiny_models, arch, prefix_caching):
     expected = [o.output_token_ids for o in ref.generate(prompts, params)]
     got = [o.output_token_ids for o in eng.generate(prompts, params)]
     assert got == expected
+
+
+@pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_kernels_check.py covers CUDA")
+def test_engine_tokens_match_reference_through_the_moe_prefill_kernels(tiny_models, monkeypatch):
+    """The tiny steps stay under the decode kernels' 4,096 pairs; with the bound at 16 pairs every prefill /
+    mixed step's experts run through kernels/moe/prefill.py, decode steps (4 tokens, 8 pairs) through the decode
+    kernels (weights packed, as on CUDA): greedy tokens == the reference backends."""
+    import engine.backends.gpu as gpu_mod
+
+    ran = []
+    real = gpu_mod.moe_experts_prefill
+    monkeypatch.setattr(gpu_mod, "DECODE_MAX_PAIRS", 16)
+    monkeypatch.setattr(gpu_mod, "moe_experts_prefill", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")  # the expert kernels take w1 | w3 packed, as on CUDA
+    prompts = random_prompts(3, [70, 9, 130], seed=6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ref = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=48)
+    eng = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=48)
+    eng.model.backends = gpu_backends()
+    expected = [o.output_token_ids for o in ref.generate(prompts, params)]
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == expected
+    assert ran  # the path under test ran
