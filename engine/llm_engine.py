@@ -17,7 +17,6 @@ from engine.cache.prefix_cache import PrefixCache
 from engine.cache.tensors import CacheLayout, CacheTensors
 from engine.config import EngineConfig
 from engine.decode_graph import DecodeGraphs, default_batch_sizes
-from engine.decode_graph.buffers import PadTargets
 from engine.fingerprint import model_digest
 from engine.forward_batch import ForwardBatch
 from engine.loader import load_model, resolve_dtype
@@ -26,6 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.models.base import CausalLM, pack_for_device
 from engine.outputs import RequestOutput, request_output
 from engine.overlap import OverlapDecoder
+from engine.pad_targets import PadTargets
 from engine.pd_import import ImportReservation, ImportSide
 from engine.prefill_graph import PrefillGraphs, default_token_buckets
 from engine.request import InvalidRequestError, Request

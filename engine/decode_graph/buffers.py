@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.decode_graph.meta import DecodeMeta
 from engine.forward_batch import ForwardBatch
+from engine.pad_targets import PadTargets
 from engine.scheduler import ScheduledChunk
-
-
-@dataclass(frozen=True)
-class PadTargets:
-    """Where padding rows point: a page and a KDA slot reserved for them (never a request's)."""
-
-    page: int
-    slot: int
 
 
 class _Staging:

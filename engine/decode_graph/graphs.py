@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from engine.cache.tensors import CacheTensors
-from engine.decode_graph.buffers import PadTargets, StaticDecodeBuffers
+from engine.decode_graph.buffers import StaticDecodeBuffers
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM
+from engine.pad_targets import PadTargets
 from engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)

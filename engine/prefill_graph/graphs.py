@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from engine.cache.tensors import CacheTensors
-from engine.decode_graph.buffers import PadTargets
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM
+from engine.pad_targets import PadTargets
 from engine.prefill_graph.pieces import CaptureRun, EagerRun, Pieces, Run, split_backends
 from engine.scheduler import ScheduledChunk
 
