@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
+import triton.language as tl
 
 INT32_MAX = 2**31 - 1
 
@@ -34,6 +35,14 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
     if is_interpreting():
         return True, "ieee"
     return False, "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def mm(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """``tl.dot`` with the (DOT_F32, PREC) of ``dot_config``: operands upcast to fp32 first when DOT_F32."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return tl.dot(a, b, input_precision=PREC)
 
 
 def check_device(name: str, *tensors: torch.Tensor) -> None:

@@ -20,17 +20,10 @@ import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign
-from kernels.triton_utils import check_device, dot_config
+from kernels.triton_utils import check_device, dot_config, mm
 
 MAX_PAIRS = 4096
 """Decode sizes: above this many pairs, groups are long and the grouped GEMMs' tiles win (to be measured)."""
-
-
-@triton.jit
-def _mm(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -73,8 +66,8 @@ def _gate_up_kernel(
             m_w = m_n[:, None] & m_k[None, :]
             g = tl.load(w_gate + o_k[None, :], mask=m_w, other=0.0)
             u = tl.load(w_up + o_k[None, :], mask=m_w, other=0.0)
-            acc_g += _mm(x, tl.trans(g), DOT_F32, PREC)
-            acc_u += _mm(x, tl.trans(u), DOT_F32, PREC)
+            acc_g += mm(x, tl.trans(g), DOT_F32, PREC)
+            acc_u += mm(x, tl.trans(u), DOT_F32, PREC)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         p_a = A + o_m[:, None].to(tl.int64) * stride_a + o_n[None, :]
         tl.store(p_a, act.to(A.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
@@ -115,7 +108,7 @@ def _down_kernel(
                 A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
             )
             b = tl.load(w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-            acc += _mm(a, tl.trans(b), DOT_F32, PREC)
+            acc += mm(a, tl.trans(b), DOT_F32, PREC)
         p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
         tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign, grouped_gemm, grouped_mm_supported
-from kernels.triton_utils import check_device, dot_config, next_pow2
+from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,6 @@ FP32_TILES = GemmTiles(64, 64, 32, num_warps=4, num_stages=2)
 def default_tiles(dtype: torch.dtype) -> tuple[GemmTiles, GemmTiles]:
     """(gate-up, down) tiles for operands of ``dtype``."""
     return (FP32_TILES, FP32_TILES) if dtype == torch.float32 else (GATE_UP_TILES, DOWN_TILES)
-
-
-@triton.jit
-def _mm(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-    return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -147,8 +140,8 @@ def _gate_up_tiles_kernel(
             x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
             g = tl.load(p_g, mask=m_k[:, None] & m_n[None, :], other=0.0)
             u = tl.load(p_u, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        acc_g += _mm(x, g, DOT_F32, PREC)
-        acc_u += _mm(x, u, DOT_F32, PREC)
+        acc_g += mm(x, g, DOT_F32, PREC)
+        acc_u += mm(x, u, DOT_F32, PREC)
         p_x += BLOCK_K
         p_g += BLOCK_K
         p_u += BLOCK_K
@@ -202,7 +195,7 @@ def _down_tiles_kernel(
             m_k = (k0 + o_k) < INTER
             a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
             w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        acc += _mm(a, w, DOT_F32, PREC)
+        acc += mm(a, w, DOT_F32, PREC)
         p_a += BLOCK_K
         p_w += BLOCK_K
     p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention.triton import LOG2E, SplitOutputs, _mm, _num_sms
-from kernels.triton_utils import check_device, dot_config, next_pow2
+from kernels.paged_attention.triton import LOG2E, SplitOutputs, _num_sms
+from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 MIN_SPLIT = 128  # keys per split at least (automatic splits)
 KEYS_PER_SPLIT = 1024  # automatic splits: at least one per this many keys
@@ -106,7 +106,7 @@ def _mla_decode_kernel(
         b_pe = tl.load(LAT + off[:, None] + R + o_p[None, :], mask=m_n[:, None] & m_p[None, :], other=0.0)
         if KEYS_MAJOR:
             # [BLOCK_N, R] @ [R, BLOCK_H] + [BLOCK_N, P] @ [P, BLOCK_H] -> s^T [BLOCK_N, BLOCK_H]
-            b_s = _mm(b_c, b_qlt, DOT_F32, PREC) + _mm(b_pe, b_qpt, DOT_F32, PREC)
+            b_s = mm(b_c, b_qlt, DOT_F32, PREC) + mm(b_pe, b_qpt, DOT_F32, PREC)
             b_s = tl.where(m_n[:, None], b_s * qk_scale, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -114,10 +114,10 @@ def _mla_decode_kernel(
             b_alpha = tl.exp2(b_m - b_m_safe)
             b_l = b_l * b_alpha + tl.sum(b_p, 0)
             # [BLOCK_R, BLOCK_N] @ [BLOCK_N, BLOCK_H] -> acc^T [BLOCK_R, BLOCK_H]
-            b_acc = b_acc * b_alpha[None, :] + _mm(tl.trans(b_c), b_p.to(b_c.dtype), DOT_F32, PREC)
+            b_acc = b_acc * b_alpha[None, :] + mm(tl.trans(b_c), b_p.to(b_c.dtype), DOT_F32, PREC)
         else:
             # [BLOCK_H, R] @ [R, BLOCK_N] + [BLOCK_H, P] @ [P, BLOCK_N] -> s [BLOCK_H, BLOCK_N]
-            b_s = _mm(b_ql, tl.trans(b_c), DOT_F32, PREC) + _mm(b_qp, tl.trans(b_pe), DOT_F32, PREC)
+            b_s = mm(b_ql, tl.trans(b_c), DOT_F32, PREC) + mm(b_qp, tl.trans(b_pe), DOT_F32, PREC)
             b_s = tl.where(m_n[None, :], b_s * qk_scale, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -125,7 +125,7 @@ def _mla_decode_kernel(
             b_alpha = tl.exp2(b_m - b_m_safe)
             b_l = b_l * b_alpha + tl.sum(b_p, 1)
             # [BLOCK_H, BLOCK_N] @ [BLOCK_N, R] -> acc [BLOCK_H, BLOCK_R]
-            b_acc = b_acc * b_alpha[:, None] + _mm(b_p.to(b_c.dtype), b_c, DOT_F32, PREC)
+            b_acc = b_acc * b_alpha[:, None] + mm(b_p.to(b_c.dtype), b_c, DOT_F32, PREC)
         b_m = b_m_new
 
     b_l_safe = tl.where(b_l == 0.0, 1.0, b_l)  # an empty split (or ctx 0) writes zeros and lse -inf

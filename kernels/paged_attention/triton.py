@@ -45,17 +45,9 @@ from kernels.paged_attention.meta import (
     pack_block_tables,
     plan_gqa,
 )
-from kernels.triton_utils import check_device, dot_config, next_pow2
+from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _mm(a, b, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-    else:
-        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -174,11 +166,11 @@ def _paged_attn_fwd_kernel(
         p_ka = KA + off_ka[:, None] + i_kvh * stride_ka_h + o_da[None, :]
         b_ka = tl.load(p_ka, mask=m_n[:, None] & m_da[None, :], other=0.0)  # [BLOCK_N, BLOCK_DA]
         # [BLOCK_M, BLOCK_DA] @ [BLOCK_DA, BLOCK_N] -> [BLOCK_M, BLOCK_N]
-        b_s = _mm(b_qa, tl.trans(b_ka), DOT_F32, PREC)
+        b_s = mm(b_qa, tl.trans(b_ka), DOT_F32, PREC)
         if HAS_KB:
             p_kb = KB + off_kb[:, None] + i_kvh * stride_kb_h + o_db[None, :]
             b_kb = tl.load(p_kb, mask=m_n[:, None] & m_db[None, :], other=0.0)
-            b_s += _mm(b_qb, tl.trans(b_kb), DOT_F32, PREC)
+            b_s += mm(b_qb, tl.trans(b_kb), DOT_F32, PREC)
         b_s = b_s * qk_scale
         m_causal = (o_n[None, :] <= b_pos[:, None]) & m_n[None, :]
         b_s = tl.where(m_causal, b_s, float("-inf"))
@@ -194,7 +186,7 @@ def _paged_attn_fwd_kernel(
             p_v = V + off_v[:, None] + i_kvh * stride_v_h + o_dv[None, :]
             b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
         # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_DV] -> [BLOCK_M, BLOCK_DV]
-        b_acc = b_acc * b_alpha[:, None] + _mm(b_p.to(b_v.dtype), b_v, DOT_F32, PREC)
+        b_acc = b_acc * b_alpha[:, None] + mm(b_p.to(b_v.dtype), b_v, DOT_F32, PREC)
         b_m = b_m_new
 
     b_o = b_acc / tl.where(b_l == 0.0, 1.0, b_l)[:, None]
