@@ -12,6 +12,16 @@ from kernels.moe.prefill import FP32_TILES, GATE_UP_TILES, GemmTiles, default_ti
 from tests.kernels.helpers import DEVICE, assert_close, tol
 
 
+def _problem(t: int, e: int, k: int, h: int, i: int, seed: int, dtype: torch.dtype = torch.float32):
+    """x [t, h], w13 [e, 2i, h], w2 [e, h, i] in ``dtype`` on the device, and a sigmoid top-k routing."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE, dtype)
+    weights, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 2.446)
+    return x, w13, w2, weights, ids
+
+
 def _ends(counts: list[int]) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(DEVICE, torch.int32)
 
@@ -52,11 +62,7 @@ def test_tile_map_cuts_each_group_into_row_tiles_in_expert_order(counts, block_m
     ],
 )
 def test_prefill_experts_match_the_definition(t, e, k, h, i, tiles, dtype):
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE, dtype)
-    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE, dtype)
-    weights, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 2.446)
+    x, w13, w2, weights, ids = _problem(t, e, k, h, i, 3, dtype)
     ref = naive_moe(x.float(), weights, ids, w13[:, :i].float(), w13[:, i:].float(), w2.float())
     al = moe_align(ids, e)
     y = moe_experts_prefill(x, al, w13, w2, gate_up=tiles, down=tiles)
@@ -70,13 +76,8 @@ def test_prefill_experts_match_the_definition(t, e, k, h, i, tiles, dtype):
 
 def test_prefill_experts_with_different_row_tiles_per_gemm():
     """The down GEMM may cut the rows in other tiles than the gate-up GEMM (its own tile map)."""
-    g = torch.Generator().manual_seed(4)
-    t, e, k, h, i = 41, 6, 2, 64, 32
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE)
-    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE)
-    _, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 2.446)
-    al = moe_align(ids, e)
+    x, w13, w2, _, ids = _problem(41, 6, 2, 64, 32, 4)
+    al = moe_align(ids, 6)
     one = moe_experts_prefill(x, al, w13, w2, gate_up=GemmTiles(16, 16, 32), down=GemmTiles(16, 16, 32))
     two = moe_experts_prefill(x, al, w13, w2, gate_up=GemmTiles(16, 16, 32), down=GemmTiles(32, 32, 16))
     assert_close("down tiles", one, two, tol(torch.float32))
@@ -97,14 +98,10 @@ def test_default_tiles_and_down_paths():
     choice agree (auto is the Triton kernel where torch's grouped_mm cannot run, as on this host or for fp32)."""
     assert default_tiles(torch.float32) == (FP32_TILES, FP32_TILES)
     assert default_tiles(torch.bfloat16)[0] == GATE_UP_TILES
-    g = torch.Generator().manual_seed(6)
-    t, e, k, h, i = 33, 4, 2, 64, 32
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE)
-    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE)
-    weights, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 2.446)
+    i = 32
+    x, w13, w2, weights, ids = _problem(33, 4, 2, 64, i, 6)
     ref = naive_moe(x, weights, ids, w13[:, :i], w13[:, i:], w2)
-    al = moe_align(ids, e)
+    al = moe_align(ids, 4)
     auto = moe_experts_prefill(x, al, w13, w2)
     assert_close("default tiles", ref, moe_combine_triton(auto, al.rows_of_pairs(), weights, x.dtype), tol(x.dtype))
     assert_close("triton down", auto, moe_experts_prefill(x, al, w13, w2, down_impl="triton"), tol(x.dtype))
