@@ -15,8 +15,8 @@
 #                                            # then decode steps with them (the default since the sixth session)
 #   bash bench/gpu_session.sh moe-prefill    # 1 x H200: kernels/moe/prefill.py vs the grouped path (tile sweep at 8k,
 #                                            # the best tiles at 32k) and the MoE kernel tests on the GPU
-#   bash bench/gpu_session.sh moe-prefill-ab # 1 x H200: Kimi mid prefill 8k / 32k (eager and piecewise graphs) with
-#                                            # the grouped path, then with the prefill kernels (two processes)
+#   bash bench/gpu_session.sh moe-prefill-ab # 1 x H200: Kimi mid prefill 8k / 32k, the MoE experts through the
+#                                            # grouped path and the prefill kernels interleaved on one engine
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -59,10 +59,8 @@ case "$step" in
   moe-prefill) python -m pytest -q tests/kernels/test_moe_prefill.py tests/kernels/test_moe.py \
       tests/kernels/test_gpu_backend.py -k "moe or prefill" 2>&1 | tee "$OUT/gpu_tests_moe_prefill.txt"
     python -m bench.moe_prefill_sweep --out "$OUT/moe_prefill_sweep.json" "$@" | tee "$OUT/moe_prefill_sweep.txt" ;;
-  moe-prefill-ab) for on in 0 1; do
-      TANDEM_MOE_PREFILL_KERNELS=$on python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 4096 \
-        --batches 64 --decode-steps 10 --repeat 3 --out "$OUT/mid_tandem_moe_prefill_$on.json" "$@"
-    done ;;
+  moe-prefill-ab) python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 4096 32768 --batches 64 \
+      --decode-steps 10 --repeat 3 --moe-prefill-ab --out "$OUT/mid_tandem_moe_ab.json" "$@" ;;
   conv-sweep) python -m bench.short_conv_sweep --out "$OUT/short_conv_sweep.json" "$@" ;;
   prefill-host) python -m bench.prefill_host --lengths 8192 32768 --out "$OUT/prefill_host.json" "$@" \
       | tee "$OUT/prefill_host.txt" ;;

@@ -29,9 +29,13 @@ def test_blocking_seconds_counts_only_the_waiting_calls():
 
 
 def test_tiny_run_writes_rows(tmp_path):
-    out = tmp_path / "host.json"
-    assert prefill_host.main(["--tiny", "--lengths", "64", "--repeat", "1", "--top", "5", "--out", str(out)]) == 0
+    out, traces = tmp_path / "host.json", tmp_path / "traces"
+    argv = ["--tiny", "--lengths", "64", "--repeat", "1", "--top", "5", "--out", str(out), "--trace-dir", str(traces)]
+    assert prefill_host.main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
+    # the profiled step's trace is kept and read back (on the host it has no device events to list)
+    assert (traces / "prefill-64-trace.json.gz").is_file()
+    assert row["gaps"] == "prefill-64-trace.json.gz: no device events in the trace"
     assert row["length"] == 64 and row["wall_s"] > 0 and row["host_enqueue_s"] >= 0
     assert row["host_before_runner_s"] > 0 and row["host_runner_s"] > 0
     assert "generate" in row["pstats"]
