@@ -24,7 +24,8 @@ combine (kernels/moe/combine.py) weights and sums each token's k rows in fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -57,6 +58,30 @@ FP32_TILES = GemmTiles(64, 64, 32, num_warps=4, num_stages=2)
 def default_tiles(dtype: torch.dtype) -> tuple[GemmTiles, GemmTiles]:
     """(gate-up, down) tiles for operands of ``dtype``."""
     return (FP32_TILES, FP32_TILES) if dtype == torch.float32 else (GATE_UP_TILES, DOWN_TILES)
+
+
+SMEM_HEADROOM = 8 << 10
+"""Shared memory left to the kernel besides its pipeline buffers (the epilogue's layout conversion)."""
+
+
+def fit_stages(tiles: GemmTiles, weight_tiles: int, itemsize: int, smem_bytes: int) -> GemmTiles:
+    """``tiles`` with fewer pipeline stages (at least 2) where ``smem_bytes`` of shared memory a block cannot
+    hold ``tiles.num_stages`` stages of one activation tile and ``weight_tiles`` weight tiles: the H200's tiles
+    (4 stages of 48 KB in the gate-up GEMM) need 3 stages on an A100 (164 KB) and 2 on 100 KB parts."""
+    stage = (tiles.block_m * tiles.block_k + weight_tiles * tiles.block_n * tiles.block_k) * itemsize
+    stages = max(2, min(tiles.num_stages, (smem_bytes - SMEM_HEADROOM) // stage))
+    return tiles if stages == tiles.num_stages else replace(tiles, num_stages=stages)
+
+
+@functools.cache
+def _smem_per_block(device_index: int) -> int:
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def _fitted(tiles: GemmTiles, weight_tiles: int, x: torch.Tensor) -> GemmTiles:
+    if not x.is_cuda:  # the interpreter has no shared memory to fit
+        return tiles
+    return fit_stages(tiles, weight_tiles, x.element_size(), _smem_per_block(x.device.index or 0))
 
 
 @triton.jit
@@ -238,6 +263,7 @@ def gate_up_fused(x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, tiles: GemmT
     if n == 0:
         return a
     dot_f32, prec = dot_config(x.dtype)
+    tiles = _fitted(tiles, 2, x)
     ends = al.offsets.to(torch.int32)
     tile_e, tile_row = tile_map(ends, n, tiles.block_m)
     num_n = triton.cdiv(i, tiles.block_n)
@@ -258,6 +284,7 @@ def down_grouped(a: torch.Tensor, al: MoEAlign, w2: torch.Tensor, tiles: GemmTil
     if n == 0:
         return y
     dot_f32, prec = dot_config(a.dtype)
+    tiles = _fitted(tiles, 1, a)
     ends = al.offsets.to(torch.int32)
     tile_e, tile_row = tile_map(ends, n, tiles.block_m)
     num_n = triton.cdiv(h, tiles.block_n)
@@ -301,6 +328,7 @@ __all__ = [
     "GemmTiles",
     "default_tiles",
     "down_grouped",
+    "fit_stages",
     "gate_up_fused",
     "moe_experts_prefill",
     "tile_map",

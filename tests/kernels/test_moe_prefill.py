@@ -8,7 +8,16 @@ import torch
 from kernels.moe.combine import moe_combine_triton
 from kernels.moe.grouped import moe_align
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
-from kernels.moe.prefill import FP32_TILES, GATE_UP_TILES, GemmTiles, default_tiles, moe_experts_prefill, tile_map
+from kernels.moe.prefill import (
+    DOWN_TILES,
+    FP32_TILES,
+    GATE_UP_TILES,
+    GemmTiles,
+    default_tiles,
+    fit_stages,
+    moe_experts_prefill,
+    tile_map,
+)
 from tests.kernels.helpers import DEVICE, assert_close, tol
 
 
@@ -107,3 +116,15 @@ def test_default_tiles_and_down_paths():
     assert_close("triton down", auto, moe_experts_prefill(x, al, w13, w2, down_impl="triton"), tol(x.dtype))
     with pytest.raises(ValueError, match="down_impl"):
         moe_experts_prefill(x, al, w13, w2, down_impl="cublas")
+
+
+def test_fit_stages_drops_pipeline_stages_to_the_shared_memory():
+    """The H200's tiles as they are on the H200 (227 KB a block), one stage fewer on an A100 (164 KB), two
+    stages on 100 KB parts (and never fewer), fp32 operands counted at 4 bytes."""
+    h200, a100, small = 232448, 167936, 101376
+    assert fit_stages(GATE_UP_TILES, 2, 2, h200) is GATE_UP_TILES  # 4 x 48 KB + headroom fit
+    assert fit_stages(GATE_UP_TILES, 2, 2, a100).num_stages == 3
+    assert fit_stages(GATE_UP_TILES, 2, 2, small).num_stages == 2
+    assert fit_stages(DOWN_TILES, 1, 2, a100).num_stages == 3  # (128 x 64 + 256 x 64) x 2 B = 48 KB a stage
+    assert fit_stages(FP32_TILES, 2, 4, small) is FP32_TILES  # 2 x 24 KB
+    assert fit_stages(GemmTiles(128, 128, 64, num_stages=4), 2, 2, 1024).num_stages == 2
