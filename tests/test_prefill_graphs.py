@@ -119,3 +119,47 @@ def test_core_step_copies_the_real_rows_and_zeroes_padding() -> None:
     step.run("real", 3)  # type: ignore[arg-type]
     assert torch.equal(static_out[:3], static_in[:3] * 10)
     assert not static_out[3:].any()  # the pool's old contents (here NaN) never reach the padding rows
+
+
+def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkeypatch) -> None:
+    """Pieces hold the hooks they were captured with (a boundary per layer, the hook list of that moment): the
+    P/D producer attaches its hook after the engine is built, so a bucket captured before (a warm-up step) must
+    be captured again, or its replays would never call the producer. The capture is stood in for by the eager
+    padded forward (no CUDA here); what is checked is when the engine captures."""
+    eng = make_engine(model_dir, cuda_graphs=True)
+    pg = eng.runner.prefill_graphs
+    captured: list[tuple[int, tuple]] = []
+
+    class EagerPieces:
+        graphs: tuple = ()
+
+        def __init__(self, bucket: int) -> None:
+            self.bucket = bucket
+
+        def replay(self, batch, n):
+            return pg._forward(self.bucket, EagerRun(batch, n, self.bucket))
+
+    def capture(bucket: int):
+        captured.append((bucket, tuple(eng.model.layer_hooks)))
+        pg._pieces[bucket] = EagerPieces(bucket)
+        return pg._pieces[bucket]
+
+    monkeypatch.setattr(pg, "_capture", capture)
+    pg.capture = True
+    prompt = random_prompts(1, [40], seed=8)[0]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    want = eng.generate([prompt], params)[0].output_token_ids
+    assert eng.generate([prompt], params)[0].output_token_ids == want
+    assert captured == [(64, ())]  # one capture of the 64-token bucket, reused
+    seen: list[int] = []
+
+    def hook(layer, batch):
+        seen.append(layer)
+
+    eng.model.layer_hooks.append(hook)
+    assert eng.generate([prompt], params)[0].output_token_ids == want
+    assert captured[1:] == [(64, (hook,))] and seen == list(range(eng.model_config.num_hidden_layers))
+    eng.model.layer_hooks.remove(hook)
+    eng.generate([prompt], params)
+    assert captured[2:] == [(64, ())]
+    assert pg.stats()["graph_steps"] == 4

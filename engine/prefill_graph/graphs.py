@@ -4,8 +4,9 @@ A step's T rows are padded up to the next bucket; the padding rows take token 0 
 the row-wise pieces like any row and are never handed to a core (cores see the first T rows), so they read no
 key, write no page or slot, and their core outputs are zero rows. One capture per bucket, lazily on its first
 step: two eager warm-up runs of the padded forward (Triton autotuning, cuBLAS workspaces), then the capture,
-whose cores run on a batch that writes nothing but the padding scratch slot. A capture that fails turns the
-pieces off for good with a warning; steps then run the normal eager path.
+whose cores run on a batch that writes nothing but the padding scratch slot. The model's layer hooks are
+captured with the pieces (a boundary and its calls): when the hooks change, every bucket is captured again. A
+capture that fails turns the pieces off for good with a warning; steps then run the normal eager path.
 
 On the host (no CUDA) the same padded forward runs eagerly with the cores cut out of it (``EagerRun``): what
 the CPU tests compare with the normal path, token for token.
@@ -61,6 +62,8 @@ class PrefillGraphs:
         self.enabled = True
         """Runtime switch (benchmarks compare the pieces with the eager step on one engine)."""
         self._pieces: dict[int, Pieces] = {}
+        self._hooks: tuple = ()
+        """The model's layer hooks the pieces were captured with: their boundaries and calls are in the pieces."""
         self._batches: dict[int, ForwardBatch] = {}
         self._pool: Any = None
         self.counts = {"graph_steps": 0, "eager_padded_steps": 0, "padded_rows": 0, "captures": 0}
@@ -78,6 +81,11 @@ class PrefillGraphs:
         self.counts["padded_rows"] += bucket - n
         self._fill(batch, n, bucket)
         if self.capture:
+            if tuple(self.model.layer_hooks) != self._hooks:
+                # a hook added (the P/D producer attaches one after the engine is built) or removed: pieces
+                # captured before would skip it or call a stale one at their layer boundaries
+                self._pieces.clear()
+                self._hooks = tuple(self.model.layer_hooks)
             pieces = self._pieces.get(bucket) or self._capture(bucket)
             if pieces is None:  # the capture failed: this step (and every later one) takes the eager path
                 return self.model(batch, self.cache)
