@@ -96,6 +96,10 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Padded batch sizes with a graph (default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); larger
     decode batches run eagerly."""
+    capture_graphs_at_start: bool = True
+    """With cuda_graphs: workers (prefill / decode services) capture the piecewise prefill graphs of every
+    token bucket before they report ready (``LLMEngine.capture_graphs``), so no request waits for a capture;
+    False: each bucket is captured on its first step (as the offline engine always does)."""
     prefill_graph_max_tokens: int = 8192
     """With cuda_graphs: steps the decode graphs do not take (prefill, mixed, verify) of up to this many tokens
     (capped by max_num_batched_tokens) run as piecewise CUDA graphs over token buckets, with attention and the

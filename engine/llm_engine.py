@@ -210,6 +210,15 @@ class LLMEngine(ImportSide):
         own = self.drafter.aux_layer_ids if self.drafter is not None and self.drafter.needs_aux else ()
         self.model.aux_layer_ids = tuple(sorted(set(own) | set(self._aux_requests)))
 
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """Capture the piecewise prefill graphs of every token bucket now, as vLLM does at startup, instead of
+        on each bucket's first step (whose request would wait for two warm-up forwards and the capture). Call
+        it once the layer hooks are in place (the P/D producer's; a change of hooks captures again). Decode
+        graphs stay lazy (one per batch size and context bucket). Returns the buckets captured."""
+        graphs = self.runner.prefill_graphs
+        return 0 if graphs is None else graphs.capture_all()
+
     @property
     def pages_in_use(self) -> int:
         """KV pages held for requests (not the padding scratch page)."""

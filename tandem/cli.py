@@ -48,6 +48,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="with --cuda-graphs: largest token bucket of the piecewise prefill graphs (0: prefill runs eagerly)",
     )
     p.add_argument(
+        "--lazy-graphs",
+        action="store_true",
+        help="with --cuda-graphs: a worker captures each prefill token bucket on its first step instead of all "
+        "of them before it reports ready",
+    )
+    p.add_argument(
         "--async-scheduling",
         action="store_true",
         help="with --cuda-graphs: launch each pure-decode step before the previous step's ids reach the host, "
@@ -78,6 +84,7 @@ def engine_config_from_args(a: argparse.Namespace):
         kda_checkpoint_pages=a.kda_checkpoint_pages,
         cuda_graphs=a.cuda_graphs,
         prefill_graph_max_tokens=a.prefill_graph_max_tokens,
+        capture_graphs_at_start=not a.lazy_graphs,
         async_scheduling=a.async_scheduling,
         load_progress=True,
         parallel=ParallelConfig(pcp=a.pcp, pp=a.pp, tp=a.tp, pp_microbatches=a.pp_microbatches),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,9 +63,14 @@ async def run_worker(
         store = PrefixStore(cfg, engine, fingerprint.model_digest[:16])
         metrics.track_prefix(engine, store)
     aengine = AsyncEngine(engine, asyncio.get_running_loop())
-    aengine.start()
     service = build_service(aengine, fingerprint, metrics, model_name_of(engine_config), store)
     add_service(service, server)
+    if engine_config.cuda_graphs and engine_config.capture_graphs_at_start and hasattr(engine, "capture_graphs"):
+        # after the service: the prefill service's producer hook must be in the pieces it captures
+        t0 = time.perf_counter()
+        captured = engine.capture_graphs()
+        logger.info("%s: %d prefill graph buckets captured in %.1f s", role, captured, time.perf_counter() - t0)
+    aengine.start()
     await server.start()
     logger.info(
         "%s worker on %s:%d (metrics %s), fingerprint %s", role, host, bound, metrics_port, fingerprint.digest[:16]

@@ -121,12 +121,9 @@ def test_core_step_copies_the_real_rows_and_zeroes_padding() -> None:
     assert not static_out[3:].any()  # the pool's old contents (here NaN) never reach the padding rows
 
 
-def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkeypatch) -> None:
-    """Pieces hold the hooks they were captured with (a boundary per layer, the hook list of that moment): the
-    P/D producer attaches its hook after the engine is built, so a bucket captured before (a warm-up step) must
-    be captured again, or its replays would never call the producer. The capture is stood in for by the eager
-    padded forward (no CUDA here); what is checked is when the engine captures."""
-    eng = make_engine(model_dir, cuda_graphs=True)
+def _fake_captures(eng, monkeypatch) -> list[tuple[int, tuple]]:
+    """Captures stood in for by the eager padded forward (no CUDA here): what is checked is when the engine
+    captures, with which hooks. Returns the (bucket, hooks) of every capture, in order."""
     pg = eng.runner.prefill_graphs
     captured: list[tuple[int, tuple]] = []
 
@@ -146,6 +143,15 @@ def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkey
 
     monkeypatch.setattr(pg, "_capture", capture)
     pg.capture = True
+    return captured
+
+
+def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkeypatch) -> None:
+    """Pieces hold the hooks they were captured with (a boundary per layer, the hook list of that moment): the
+    P/D producer attaches its hook after the engine is built, so a bucket captured before (a warm-up step) must
+    be captured again, or its replays would never call the producer."""
+    eng = make_engine(model_dir, cuda_graphs=True)
+    captured = _fake_captures(eng, monkeypatch)
     prompt = random_prompts(1, [40], seed=8)[0]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     want = eng.generate([prompt], params)[0].output_token_ids
@@ -162,4 +168,33 @@ def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkey
     eng.model.layer_hooks.remove(hook)
     eng.generate([prompt], params)
     assert captured[2:] == [(64, ())]
-    assert pg.stats()["graph_steps"] == 4
+    assert eng.runner.prefill_graphs.stats()["graph_steps"] == 4
+
+
+def test_capture_graphs_takes_every_bucket_up_front(model_dir, monkeypatch) -> None:
+    """What a worker does before it reports ready: every bucket, largest first, with the hooks present then;
+    steps after it capture nothing. On the host (no CUDA) there is nothing to capture."""
+    eng = make_engine(model_dir, cuda_graphs=True, max_num_batched_tokens=256)
+    assert eng.capture_graphs() == 0  # the host: the padded steps run eagerly, no graphs
+    assert make_engine(model_dir).capture_graphs() == 0  # no cuda_graphs: nothing to capture either
+    captured = _fake_captures(eng, monkeypatch)
+    hook = lambda layer, batch: None
+    eng.model.layer_hooks.append(hook)
+    assert eng.capture_graphs() == 5
+    assert captured == [(b, (hook,)) for b in (256, 128, 64, 32, 16)]
+    assert eng.capture_graphs() == 0  # all there already
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    ref = make_engine(model_dir, max_num_batched_tokens=256)
+    prompts = random_prompts(2, [40, 200], seed=9)
+    want = [o.output_token_ids for o in ref.generate(prompts, params)]
+    assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
+    assert len(captured) == 5 and eng.runner.prefill_graphs.stats()["graph_steps"] >= 1
+
+
+def test_workers_capture_at_start_unless_lazy() -> None:
+    from tandem.cli import build_parser, engine_config_from_args
+
+    for role in ("prefill", "decode"):
+        assert engine_config_from_args(build_parser().parse_args([role, "--cuda-graphs"])).capture_graphs_at_start
+        lazy = build_parser().parse_args([role, "--cuda-graphs", "--lazy-graphs"])
+        assert not engine_config_from_args(lazy).capture_graphs_at_start

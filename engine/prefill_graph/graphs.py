@@ -4,7 +4,8 @@ A step's T rows are padded up to the next bucket; the padding rows take token 0 
 the row-wise pieces like any row and are never handed to a core (cores see the first T rows), so they read no
 key, write no page or slot, and their core outputs are zero rows. One capture per bucket, lazily on its first
 step: two eager warm-up runs of the padded forward (Triton autotuning, cuBLAS workspaces), then the capture,
-whose cores run on a batch that writes nothing but the padding scratch slot. The model's layer hooks are
+whose cores run on a batch that writes nothing but the padding scratch slot — or all buckets at once, at
+startup (``capture_all``, what the workers do: no request waits for a capture). The model's layer hooks are
 captured with the pieces (a boundary and its calls): when the hooks change, every bucket is captured again. A
 capture that fails turns the pieces off for good with a warning; steps then run the normal eager path.
 
@@ -81,11 +82,7 @@ class PrefillGraphs:
         self.counts["padded_rows"] += bucket - n
         self._fill(batch, n, bucket)
         if self.capture:
-            if tuple(self.model.layer_hooks) != self._hooks:
-                # a hook added (the P/D producer attaches one after the engine is built) or removed: pieces
-                # captured before would skip it or call a stale one at their layer boundaries
-                self._pieces.clear()
-                self._hooks = tuple(self.model.layer_hooks)
+            self._sync_hooks()
             pieces = self._pieces.get(bucket) or self._capture(bucket)
             if pieces is None:  # the capture failed: this step (and every later one) takes the eager path
                 return self.model(batch, self.cache)
@@ -93,6 +90,28 @@ class PrefillGraphs:
             return pieces.replay(batch, n)[:n]
         self.counts["eager_padded_steps"] += 1
         return self._forward(bucket, EagerRun(batch, n, bucket))[:n]
+
+    def capture_all(self) -> int:
+        """Capture every bucket not captured yet, largest first (the pool is sized once, smaller buckets reuse
+        it); stops at a failed capture (the pieces are then off). Returns the number of buckets captured."""
+        if not (self.capture and self.enabled):
+            return 0
+        self._sync_hooks()
+        done = 0
+        for bucket in reversed(self.buckets):
+            if bucket in self._pieces:
+                continue
+            if self._capture(bucket) is None:
+                break
+            done += 1
+        return done
+
+    def _sync_hooks(self) -> None:
+        if tuple(self.model.layer_hooks) != self._hooks:
+            # a hook added (the P/D producer attaches one after the engine is built) or removed: pieces captured
+            # before would skip it or call a stale one at their layer boundaries
+            self._pieces.clear()
+            self._hooks = tuple(self.model.layer_hooks)
 
     def _fill(self, batch: ForwardBatch, n: int, bucket: int) -> None:
         self.input_ids[:n].copy_(batch.input_ids)
