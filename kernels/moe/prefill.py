@@ -81,7 +81,8 @@ def _smem_per_block(device_index: int) -> int:
 def _fitted(tiles: GemmTiles, weight_tiles: int, x: torch.Tensor) -> GemmTiles:
     if not x.is_cuda:  # the interpreter has no shared memory to fit
         return tiles
-    return fit_stages(tiles, weight_tiles, x.element_size(), _smem_per_block(x.device.index or 0))
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return fit_stages(tiles, weight_tiles, x.element_size(), _smem_per_block(index))
 
 
 @triton.jit
