@@ -5,6 +5,8 @@ are compared on the GPU (tests/kernels/test_prefill_graphs_gpu.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,7 +151,7 @@ def _fake_captures(eng, monkeypatch) -> list[tuple[int, tuple]]:
 def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkeypatch) -> None:
     """Pieces hold the hooks they were captured with (a boundary per layer, the hook list of that moment): the
     P/D producer attaches its hook after the engine is built, so a bucket captured before (a warm-up step) must
-    be captured again, or its replays would never call the producer."""
+    be captured again, or its replays would never call the producer. The same for other backends."""
     eng = make_engine(model_dir, cuda_graphs=True)
     captured = _fake_captures(eng, monkeypatch)
     prompt = random_prompts(1, [40], seed=8)[0]
@@ -168,7 +170,10 @@ def test_pieces_are_captured_again_when_the_layer_hooks_change(model_dir, monkey
     eng.model.layer_hooks.remove(hook)
     eng.generate([prompt], params)
     assert captured[2:] == [(64, ())]
-    assert eng.runner.prefill_graphs.stats()["graph_steps"] == 4
+    eng.model.backends = dataclasses.replace(eng.model.backends)  # other backends: their kernels, captured again
+    assert eng.generate([prompt], params)[0].output_token_ids == want
+    assert captured[3:] == [(64, ())]
+    assert eng.runner.prefill_graphs.stats()["graph_steps"] == 5
 
 
 def test_capture_graphs_takes_every_bucket_up_front(model_dir, monkeypatch) -> None:

@@ -5,9 +5,10 @@ the row-wise pieces like any row and are never handed to a core (cores see the f
 key, write no page or slot, and their core outputs are zero rows. One capture per bucket, lazily on its first
 step: two eager warm-up runs of the padded forward (Triton autotuning, cuBLAS workspaces), then the capture,
 whose cores run on a batch that writes nothing but the padding scratch slot — or all buckets at once, at
-startup (``capture_all``, what the workers do: no request waits for a capture). The model's layer hooks are
-captured with the pieces (a boundary and its calls): when the hooks change, every bucket is captured again. A
-capture that fails turns the pieces off for good with a warning; steps then run the normal eager path.
+startup (``capture_all``, what the workers do: no request waits for a capture). The model's layer hooks and
+backends are captured with the pieces (boundaries and calls, kernels): when either changes, every bucket is
+captured again. A capture that fails turns the pieces off for good with a warning; steps then run the normal
+eager path.
 
 On the host (no CUDA) the same padded forward runs eagerly with the cores cut out of it (``EagerRun``): what
 the CPU tests compare with the normal path, token for token.
@@ -63,8 +64,9 @@ class PrefillGraphs:
         self.enabled = True
         """Runtime switch (benchmarks compare the pieces with the eager step on one engine)."""
         self._pieces: dict[int, Pieces] = {}
-        self._hooks: tuple = ()
-        """The model's layer hooks the pieces were captured with: their boundaries and calls are in the pieces."""
+        self._captured_with: tuple = (None, ())
+        """The model's backends and layer hooks the pieces were captured with: their kernels, core calls and
+        hook boundaries are in the pieces."""
         self._batches: dict[int, ForwardBatch] = {}
         self._pool: Any = None
         self.counts = {"graph_steps": 0, "eager_padded_steps": 0, "padded_rows": 0, "captures": 0}
@@ -82,7 +84,7 @@ class PrefillGraphs:
         self.counts["padded_rows"] += bucket - n
         self._fill(batch, n, bucket)
         if self.capture:
-            self._sync_hooks()
+            self._sync_model()
             pieces = self._pieces.get(bucket) or self._capture(bucket)
             if pieces is None:  # the capture failed: this step (and every later one) takes the eager path
                 return self.model(batch, self.cache)
@@ -96,7 +98,7 @@ class PrefillGraphs:
         it); stops at a failed capture (the pieces are then off). Returns the number of buckets captured."""
         if not (self.capture and self.enabled):
             return 0
-        self._sync_hooks()
+        self._sync_model()
         done = 0
         for bucket in reversed(self.buckets):
             if bucket in self._pieces:
@@ -106,12 +108,13 @@ class PrefillGraphs:
             done += 1
         return done
 
-    def _sync_hooks(self) -> None:
-        if tuple(self.model.layer_hooks) != self._hooks:
-            # a hook added (the P/D producer attaches one after the engine is built) or removed: pieces captured
-            # before would skip it or call a stale one at their layer boundaries
+    def _sync_model(self) -> None:
+        backends, hooks = self.model.backends, tuple(self.model.layer_hooks)
+        if backends is not self._captured_with[0] or hooks != self._captured_with[1]:
+            # a hook added (the P/D producer attaches one after the engine is built) or removed, or other
+            # backends: pieces captured before would skip the hook, call a stale one, or run the old kernels
             self._pieces.clear()
-            self._hooks = tuple(self.model.layer_hooks)
+            self._captured_with = (backends, hooks)
 
     def _fill(self, batch: ForwardBatch, n: int, bucket: int) -> None:
         self.input_ids[:n].copy_(batch.input_ids)
