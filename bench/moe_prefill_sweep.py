@@ -28,18 +28,26 @@ from bench.gpu_kernels_check import kernel_ms
 from bench.mid import roofline
 from kernels.activation import silu_mul
 from kernels.moe.grouped import grouped_gemm, moe_align
-from kernels.moe.prefill import DOWN_TILES, GATE_UP_TILES, GemmTiles, down_grouped, gate_up_fused, moe_experts_prefill
+from kernels.moe.prefill import (
+    DOWN_TILES,
+    GATE_UP_TILES,
+    GemmTiles,
+    down_grouped,
+    fit_stages,
+    gate_up_fused,
+    moe_experts_prefill,
+)
 from kernels.moe.triton import sigmoid_topk_route_triton
 
 E, K, HID, INTER = 256, 8, 2304, 1024
-SMEM = 220 * 1024  # H200: 227 KB a block; leave room for the epilogue's conversion
+H200_SMEM = 232448  # shared memory a block may take on the H200 (227 KB)
 
 
 def _fits(t: GemmTiles, b_tiles: int) -> bool:
-    """Pipeline buffers in shared memory and accumulators of at most 128 fp32 registers a thread."""
-    stage = (t.block_m * t.block_k + b_tiles * t.block_n * t.block_k) * 2
+    """All pipeline stages in shared memory (as the kernels would fit them, ``fit_stages``) and accumulators of
+    at most 128 fp32 registers a thread."""
     acc_regs = b_tiles * t.block_m * t.block_n // (t.num_warps * 32)
-    return stage * t.num_stages <= SMEM and acc_regs <= 128
+    return fit_stages(t, b_tiles, 2, H200_SMEM) is t and acc_regs <= 128
 
 
 def candidates(b_tiles: int) -> list[GemmTiles]:

@@ -241,6 +241,23 @@ def tile_map(ends: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Ten
     return tile_e, tile_row
 
 
+@dataclass(frozen=True)
+class TileMap:
+    """A step's row tiles for one BLOCK_M: group ends [E] int32 and ``tile_map``'s (expert, first row) per slot."""
+
+    block_m: int
+    ends: torch.Tensor
+    tile_e: torch.Tensor
+    tile_row: torch.Tensor
+
+
+def _tiles_of(al: MoEAlign, n: int, block_m: int, given: TileMap | None) -> TileMap:
+    if given is not None and given.block_m == block_m:
+        return given  # the gate-up GEMM's map, reused by the down GEMM
+    ends = al.offsets.to(torch.int32)
+    return TileMap(block_m, ends, *tile_map(ends, n, block_m))
+
+
 def _check(x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, w2: torch.Tensor) -> None:
     check_device("moe_experts_prefill", x, al.token, al.offsets, w13, w2)
     e, i2, h = w13.shape
@@ -254,9 +271,11 @@ def _check(x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, w2: torch.Tensor) -
         raise ValueError("x, w13 and w2 must be contiguous along their last dimension")
 
 
-def gate_up_fused(x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, tiles: GemmTiles) -> torch.Tensor:
-    """silu(x[token] @ w1[e]^T) * (x[token] @ w3[e]^T) per sorted row: [N, I] in x's dtype (one launch + the
-    tile map). No shape checks: ``moe_experts_prefill`` makes them."""
+def gate_up_fused(
+    x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, tiles: GemmTiles, tmap: TileMap | None = None
+) -> torch.Tensor:
+    """silu(x[token] @ w1[e]^T) * (x[token] @ w3[e]^T) per sorted row: [N, I] in x's dtype (one launch, and the
+    tile map unless ``tmap`` is the step's for these tiles). No shape checks: ``moe_experts_prefill`` makes them."""
     _, i2, h = w13.shape
     i = i2 // 2
     n = al.token.numel()
@@ -265,20 +284,22 @@ def gate_up_fused(x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, tiles: GemmT
         return a
     dot_f32, prec = dot_config(x.dtype)
     tiles = _fitted(tiles, 2, x)
-    ends = al.offsets.to(torch.int32)
-    tile_e, tile_row = tile_map(ends, n, tiles.block_m)
+    tm = _tiles_of(al, n, tiles.block_m, tmap)
     num_n = triton.cdiv(i, tiles.block_n)
-    _gate_up_tiles_kernel[(tile_e.numel() * num_n,)](
-        x, al.token, ends, tile_e, tile_row, w13, a, h, i, i * w13.stride(1), num_n, x.stride(0), w13.stride(0),
-        w13.stride(1), a.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+    _gate_up_tiles_kernel[(tm.tile_e.numel() * num_n,)](
+        x, al.token, tm.ends, tm.tile_e, tm.tile_row, w13, a, h, i, i * w13.stride(1), num_n, x.stride(0),
+        w13.stride(0), w13.stride(1), a.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=h % tiles.block_k == 0, DOT_F32=dot_f32, PREC=prec, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )  # fmt: skip
     return a
 
 
-def down_grouped(a: torch.Tensor, al: MoEAlign, w2: torch.Tensor, tiles: GemmTiles) -> torch.Tensor:
-    """a[row] @ w2[e]^T per sorted row: [N, H] in a's dtype (one launch + the tile map)."""
+def down_grouped(
+    a: torch.Tensor, al: MoEAlign, w2: torch.Tensor, tiles: GemmTiles, tmap: TileMap | None = None
+) -> torch.Tensor:
+    """a[row] @ w2[e]^T per sorted row: [N, H] in a's dtype (one launch, and the tile map unless ``tmap`` is the
+    step's for these tiles)."""
     _, h, i = w2.shape
     n = a.shape[0]
     y = torch.empty(n, h, dtype=a.dtype, device=a.device)
@@ -286,11 +307,10 @@ def down_grouped(a: torch.Tensor, al: MoEAlign, w2: torch.Tensor, tiles: GemmTil
         return y
     dot_f32, prec = dot_config(a.dtype)
     tiles = _fitted(tiles, 1, a)
-    ends = al.offsets.to(torch.int32)
-    tile_e, tile_row = tile_map(ends, n, tiles.block_m)
+    tm = _tiles_of(al, n, tiles.block_m, tmap)
     num_n = triton.cdiv(h, tiles.block_n)
-    _down_tiles_kernel[(tile_e.numel() * num_n,)](
-        a, ends, tile_e, tile_row, w2, y, h, i, num_n, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+    _down_tiles_kernel[(tm.tile_e.numel() * num_n,)](
+        a, tm.ends, tm.tile_e, tm.tile_row, w2, y, h, i, num_n, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=i % tiles.block_k == 0,
         DOT_F32=dot_f32, PREC=prec, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
@@ -313,13 +333,15 @@ def moe_experts_prefill(
     _check(x, al, w13, w2)
     if down_impl not in ("auto", "triton", "grouped_mm"):
         raise ValueError(f"down_impl must be auto, triton or grouped_mm, got {down_impl!r}")
-    tiles = default_tiles(x.dtype)
-    a = gate_up_fused(x, al, w13, gate_up or tiles[0])
+    gu, dn = (gate_up or default_tiles(x.dtype)[0]), (down or default_tiles(x.dtype)[1])
+    n = al.token.numel()
+    tmap = _tiles_of(al, n, gu.block_m, None) if n else None  # one map for both GEMMs where their rows agree
+    a = gate_up_fused(x, al, w13, gu, tmap)
     if down_impl == "auto":
         down_impl = "grouped_mm" if grouped_mm_supported(a) else "triton"
     if down_impl == "grouped_mm":
         return grouped_gemm(a, w2, al.offsets)
-    return down_grouped(a, al, w2, down or tiles[1])
+    return down_grouped(a, al, w2, dn, tmap)
 
 
 __all__ = [
@@ -327,6 +349,7 @@ __all__ = [
     "FP32_TILES",
     "GATE_UP_TILES",
     "GemmTiles",
+    "TileMap",
     "default_tiles",
     "down_grouped",
     "fit_stages",
