@@ -23,7 +23,7 @@ from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
-from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align
+from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
@@ -188,7 +188,7 @@ class GPUMoEBackend(MoEBackend):
                 logger.warning("MoE decode kernels failed (%s); decode steps use the grouped path", err)
         if w13 is not None and pairs > DECODE_MAX_PAIRS and self._prefill_path(x):
             try:
-                al = moe_align(ids, w13.shape[0])
+                al = moe_align_auto(ids, w13.shape[0])
                 y = moe_experts_prefill(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
             except Exception as err:  # as above: the grouped path, for good
