@@ -130,21 +130,38 @@ def run_prefill_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any
             with tandem_bench.first_logits(eng) as seen:
                 eng.generate([ids], one)  # with graphs: captures this bucket
             logits[on] = seen[0]
+        # the KDA cores eager between the pieces, then (the default) inside them once the layout repeats
+        # (engine/prefill_graph/layouts.py): the prefill_seconds warm-up is the layout's second sighting
+        layouts_on = pg.layouts.enabled
+        pg.layouts.enabled = False
+        t_pieces, _ = tandem_bench.prefill_seconds(eng, ids, a.repeat)
+        pg.layouts.enabled = layouts_on
         t, _ = tandem_bench.prefill_seconds(eng, ids, a.repeat)
+        with tandem_bench.first_logits(eng) as seen:
+            before = pg.counts["layout_steps"]
+            eng.generate([ids], one)
+        layout_step = pg.counts["layout_steps"] > before
         fl = costs.prefill_flops(eng.model_config, length)
         diff = (logits[True] - logits[False]).abs().max().item()
         same = bool((logits[True].argmax(-1) == logits[False].argmax(-1)).all())
         row = {"length": length, "seconds": t, "tokens_per_s": length / t, "mfu": fl["total"] / t / peak}
         row.update(eager_seconds=eager[length]["seconds"], max_abs_logit_diff=diff, argmax_equal=same)
+        row.update(
+            pieces_seconds=t_pieces,
+            pieces_mfu=fl["total"] / t_pieces / peak,
+            layout_step=layout_step,
+            layout_max_abs_logit_diff=(seen[0] - logits[False]).abs().max().item(),
+        )
         if length == lengths[-1]:  # the longest: where the kernels, not the launches, should set the time
             with profile.labelled_ops(eng.model):
                 prof = profile.profiled(lambda ids=ids: eng.generate([ids], one), eng.device)
             row["census"] = profile.kernel_census(prof)
         res.setdefault("prefill_graphs", []).append(row)
         print(
-            f"tandem prefill {length} (piecewise graphs): {t * 1e3:.1f} ms vs eager "
-            f"{row['eager_seconds'] * 1e3:.1f} ms, MFU {row['mfu']:.1%}, logits max diff {diff:.3g}, "
-            f"argmax equal {same}",
+            f"tandem prefill {length} (piecewise graphs): {t * 1e3:.1f} ms (KDA cores in the graphs: "
+            f"{layout_step}; eager between the pieces {t_pieces * 1e3:.1f} ms) vs eager "
+            f"{row['eager_seconds'] * 1e3:.1f} ms, MFU {row['mfu']:.1%}, logits max diff {diff:.3g} (layout graphs "
+            f"{row['layout_max_abs_logit_diff']:.3g}), argmax equal {same}",
             flush=True,
         )
     res["prefill_graph_stats"] = pg.stats()

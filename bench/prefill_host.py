@@ -83,12 +83,29 @@ _GROUPS = {
 }
 
 
+# Inside the groups above (not subtracted again): the step's prepare, and the KDA core's parts.
+_PARTS = {
+    "prepare": ("runner", ("prepare",)),
+    "kda_conv": ("kda", ("short_conv_qkv",)),
+    "kda_recurrence": ("kda", ("recurrence",)),
+    "kda_chunk_fn": ("kda", ("chunk_fn",)),
+}
+
+
 def _held_step_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> dict[str, float]:
     """Host seconds of a held step, uninstrumented but for the wrapped calls: before the model runner
     (``before_runner``), in it (``runner``), inside each group of backend calls (_GROUPS) and the rest of the
-    runner (``other``: GEMMs, norms, glue)."""
+    runner (``other``: GEMMs, norms, glue); and the parts in _PARTS (the step's prepare, the KDA core's conv,
+    recurrence and fla call), which sit inside those."""
     be = eng.model.backends
+    owners = {"runner": eng.runner}
     targets = [(getattr(be, attr), name, group) for group, (attr, names) in _GROUPS.items() for name in names]
+    targets += [
+        (owners.get(attr) or getattr(be, attr), name, part)
+        for part, (attr, names) in _PARTS.items()
+        for name in names
+        if hasattr(owners.get(attr) or getattr(be, attr), name)
+    ]
     tandem_bench.sync(eng.device)
     _hold_gpu(HOLD_S)
     with timed_calls([*targets, (eng.runner, "execute", "runner")]) as times:
@@ -96,7 +113,7 @@ def _held_step_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> d
         eng.generate([ids], one)
     out = dict(times.spent)
     out["before_runner"] = times.first_start["runner"] - t0
-    out["other"] = out["runner"] - sum(out[g] for g in _GROUPS)
+    out["other"] = out["runner"] - sum(out[g] for g in _GROUPS)  # _PARTS sit inside the groups and the runner
     return out
 
 

@@ -104,6 +104,10 @@ class EngineConfig:
     """With cuda_graphs: steps the decode graphs do not take (prefill, mixed, verify) of up to this many tokens
     (capped by max_num_batched_tokens) run as piecewise CUDA graphs over token buckets, with attention and the
     KDA conv / recurrence eager between the pieces (engine/prefill_graph). 0: those steps run eagerly."""
+    prefill_layout_graphs: int = 8
+    """With the piecewise prefill graphs: up to this many KDA layouts (chunk lengths, which chunks continue a
+    state) seen twice get pieces with their KDA conv / recurrence inside the graphs (every full chunk of a
+    long prompt after the first shares one; engine/prefill_graph/layouts.py). 0: the KDA cores stay eager."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -121,8 +125,9 @@ class EngineConfig:
             not self.cuda_graph_batch_sizes or min(self.cuda_graph_batch_sizes) < 1
         ):
             raise ValueError(f"cuda_graph_batch_sizes={self.cuda_graph_batch_sizes} must be positive sizes")
-        if self.prefill_graph_max_tokens < 0:
-            raise ValueError(f"prefill_graph_max_tokens={self.prefill_graph_max_tokens} must be >= 0")
+        for name in ("prefill_graph_max_tokens", "prefill_layout_graphs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.cuda_graphs and self.parallel.enabled:
             from engine.parallel.config import ParallelLayoutError
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels.upload import upload
@@ -62,8 +63,8 @@ class ForwardBatch:
 
 def kv_write_fields(slot_mapping: list[int] | torch.Tensor, device: torch.device) -> dict:
     """``kv_write_rows`` / ``all_kv_written`` of a host slot_mapping, as ForwardBatch keyword arguments."""
-    host = torch.as_tensor(slot_mapping, dtype=torch.int64)
+    host = torch.as_tensor(slot_mapping, dtype=torch.int64).cpu().numpy()  # numpy: no torch CPU op per step
     keep = host >= 0
-    if bool(keep.all()):
+    if keep.all():
         return {"all_kv_written": True}
-    return {"kv_write_rows": upload(keep.nonzero()[:, 0], device)}
+    return {"kv_write_rows": upload(torch.from_numpy(keep.nonzero()[0].astype(np.int64)), device)}

@@ -132,6 +132,7 @@ class LLMEngine(ImportSide):
                     pad,
                     default_token_buckets(max_tokens),
                     capture=self.device.type == "cuda",
+                    max_layouts=self.config.prefill_layout_graphs,
                 )
         return runner
 
@@ -215,9 +216,11 @@ class LLMEngine(ImportSide):
         """Capture the piecewise prefill graphs of every token bucket now, as vLLM does at startup, instead of
         on each bucket's first step (whose request would wait for two warm-up forwards and the capture). Call
         it once the layer hooks are in place (the P/D producer's; a change of hooks captures again). Decode
-        graphs stay lazy (one per batch size and context bucket). Returns the buckets captured."""
+        graphs stay lazy (one per batch size and context bucket). With KDA layers, also a long prompt's full
+        chunks with their KDA cores inside the graphs (engine/prefill_graph/layouts.py). Returns the buckets
+        captured."""
         graphs = self.runner.prefill_graphs
-        return 0 if graphs is None else graphs.capture_all()
+        return 0 if graphs is None else graphs.capture_all(full_chunk=self.config.max_num_batched_tokens)
 
     @property
     def pages_in_use(self) -> int:

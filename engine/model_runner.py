@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.cache.tensors import CacheTensors
@@ -11,7 +12,7 @@ from engine.models.base import CausalLM
 from engine.prefill_graph import PrefillGraphs
 from engine.scheduler import ScheduledChunk
 from engine.step_rows import StepRows, int64_tensor
-from kernels.upload import upload
+from kernels.upload import PinnedStaging
 
 
 class ModelRunner:
@@ -22,6 +23,7 @@ class ModelRunner:
         self.page_size = page_size
         self.decode_graphs: DecodeGraphs | None = None
         """Pure-decode steps through static padded buffers / CUDA graphs (EngineConfig.cuda_graphs)."""
+        self.staging = PinnedStaging(device)
         self.prefill_graphs: PrefillGraphs | None = None
         """The other steps as piecewise CUDA graphs over token buckets (EngineConfig.prefill_graph_max_tokens)."""
 
@@ -34,12 +36,12 @@ class ModelRunner:
             req = c.request
             end = c.start + c.num_tokens
             known = end - len(c.drafts)
-            pages = int64_tensor(req.page_ids)
+            pages = int64_tensor(req.page_ids)  # numpy-backed
             ids = req.all_token_ids[c.start : known] + list(c.drafts)
             rows.add(ids, c.start, end, req.page_ids, pages, req.kv_cached_tokens)
             qsl.append(qsl[-1] + c.num_tokens)
             ctx.append(end)
-            tables.append(upload(pages, self.device))
+            tables.append(pages.numpy())
             slots.append(req.slot_ids[0] if req.slot_ids else -1)
             has_init.append(c.start > 0)
             if c.samples:  # a verify step needs the logits at the last token and every draft
@@ -49,16 +51,20 @@ class ModelRunner:
             completes.append(c.samples)
             cks.append(c.checkpoints)
         host_ids, host_positions, host_slots = rows.tensors()
+        # one copy for the rows, the page tables and the logits rows (kernels/upload.PinnedStaging)
+        ids, positions, slot_mapping, logits_rows, *tables = self.staging.upload(
+            [host_ids.numpy(), host_positions.numpy(), host_slots.numpy(), np.asarray(logits_idx, np.int64), *tables]
+        )
         return ForwardBatch(
-            input_ids=upload(host_ids, self.device),
-            positions=upload(host_positions, self.device),
+            input_ids=ids,
+            positions=positions,
             query_start_loc=qsl,
             context_lens=ctx,
             block_tables=tables,
-            slot_mapping=upload(host_slots, self.device),
+            slot_mapping=slot_mapping,
             state_slots=slots,
             has_initial_state=has_init,
-            logits_indices=upload(torch.tensor(logits_idx, dtype=torch.int64), self.device),
+            logits_indices=logits_rows,
             request_ids=rids,
             chunk_starts=starts,
             completes_prompt=completes,

@@ -38,11 +38,13 @@ class StepRows:
             self._slots.extend(page_ids[p // ps] * ps + p % ps if p >= cached else -1 for p in range(start, end))
             return
         self._flush()
-        pos = torch.arange(start, end, dtype=torch.int64)
-        slot = pages[pos // ps] * ps + pos % ps
+        # numpy, not torch's CPU ops: on the H200's host torch's gather of an 8k-row page table took 2-4 ms
+        # (bench/prefill_host.py trace), numpy's ~20 us; the GPU waits for this before the step's first kernel
+        pos = np.arange(start, end, dtype=np.int64)
+        slot = pages.numpy()[pos // ps] * ps + pos % ps
         if cached > start:
             slot[: cached - start] = -1
-        self._parts.append((int64_tensor(ids), pos, slot))
+        self._parts.append((int64_tensor(ids), torch.from_numpy(pos), torch.from_numpy(slot)))
 
     def _flush(self) -> None:
         if self._ids:

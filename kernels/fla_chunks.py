@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.upload import upload
+from kernels.upload import Upload, upload
 
 CHUNK = 64
 """fla's tokens per chunk: chunk_kda's chunk size (its intermediate states sit every 64 tokens of a sequence)
@@ -44,15 +44,16 @@ class ChunkLayout:
         return self.chunk_indices.shape[0]
 
 
-def chunk_layout(cu_seqlens: Sequence[int], device: torch.device | str) -> ChunkLayout:
-    """The tables fla's ``prepare_chunk_indices`` / ``prepare_chunk_offsets`` make, for host offsets."""
+def chunk_layout(cu_seqlens: Sequence[int], device: torch.device | str, up: Upload = upload) -> ChunkLayout:
+    """The tables fla's ``prepare_chunk_indices`` / ``prepare_chunk_offsets`` make, for host offsets (``up``:
+    a ``StaticUploads`` puts them in a CUDA graph's buffers)."""
     cu = [int(c) for c in cu_seqlens]
     if not cu or cu[0] != 0 or any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu}")
     chunks = [-(-(b - a) // CHUNK) for a, b in itertools.pairwise(cu)]
     offsets = [0, *itertools.accumulate(chunks)]
     pairs = [v for i, c in enumerate(chunks) for j in range(c) for v in (i, j)]
-    dev = upload(torch.tensor(cu + offsets + pairs, dtype=torch.int64), torch.device(device))
+    dev = up(torch.tensor(cu + offsets + pairs, dtype=torch.int64), torch.device(device))
     n = len(cu)
     return ChunkLayout(
         cu=dev[:n],

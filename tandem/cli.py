@@ -48,6 +48,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="with --cuda-graphs: largest token bucket of the piecewise prefill graphs (0: prefill runs eagerly)",
     )
     p.add_argument(
+        "--prefill-layout-graphs",
+        type=int,
+        default=8,
+        help="with --cuda-graphs: KDA layouts (chunk lengths) seen twice whose KDA conv / recurrence run inside the "
+        "prefill graphs, at most this many (0: the KDA cores stay eager between the pieces)",
+    )
+    p.add_argument(
         "--lazy-graphs",
         action="store_true",
         help="with --cuda-graphs: a worker captures each prefill token bucket on its first step instead of all "
@@ -84,6 +91,7 @@ def engine_config_from_args(a: argparse.Namespace):
         kda_checkpoint_pages=a.kda_checkpoint_pages,
         cuda_graphs=a.cuda_graphs,
         prefill_graph_max_tokens=a.prefill_graph_max_tokens,
+        prefill_layout_graphs=a.prefill_layout_graphs,
         capture_graphs_at_start=not a.lazy_graphs,
         async_scheduling=a.async_scheduling,
         load_progress=True,

@@ -18,7 +18,7 @@ from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import KDA_CHUNK, chunk_kda_varlen, chunk_layout, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
 from kernels.short_conv.triton import short_conv_update
-from kernels.upload import upload
+from kernels.upload import StaticUploads, Upload, upload
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +65,17 @@ class _Round:
 class _KDAStep:
     """Slot bookkeeping of one step for the KDA layers (built once, shared by all KDA layers)."""
 
-    def __init__(self, batch: ForwardBatch, device: torch.device, exact_checkpoints: bool) -> None:
+    def __init__(self, batch: ForwardBatch, device: torch.device, exact_checkpoints: bool, up: Upload = upload) -> None:
         n = batch.num_seqs
         q_lens = _q_lens(batch)
         slots, qsl = batch.state_slots, batch.query_start_loc
         cks_all = batch.checkpoints if batch.checkpoints else [()] * n
         ints = slots + qsl + [int(b) for b in batch.has_initial_state]
-        dev = upload(torch.tensor(ints, dtype=torch.int32), device)
+        dev = up(torch.tensor(ints, dtype=torch.int32), device)
         self.slots, self.qsl, self.has_init = dev[:n], dev[n : 2 * n + 1], dev[2 * n + 1 :]
         self.max_q_len = max(q_lens, default=0)
         fresh = [s for s, init in zip(slots, batch.has_initial_state, strict=True) if not init]
-        self.fresh = upload(torch.tensor(fresh, dtype=torch.int64), device) if fresh else None
+        self.fresh = up(torch.tensor(fresh, dtype=torch.int64), device) if fresh else None
 
         # conv checkpoints: (row start, tokens of the chunk before the rung, slot, has_init, dst)
         self.conv_cks = [
@@ -89,9 +89,9 @@ class _KDAStep:
         self.dec_slots = self.dec_rows = None
         self.dec_copies = [(slots[i], dst) for i in dec for _, dst in cks_all[i]]  # a one-token chunk's rung is its end
         if dec:
-            self.dec_slots = upload(torch.tensor([slots[i] for i in dec], dtype=torch.int64), device)
+            self.dec_slots = up(torch.tensor([slots[i] for i in dec], dtype=torch.int64), device)
             if pre:
-                self.dec_rows = upload(torch.tensor([qsl[i] for i in dec], dtype=torch.int64), device)
+                self.dec_rows = up(torch.tensor([qsl[i] for i in dec], dtype=torch.int64), device)
 
         # prefill: cut each chunk into segments at rungs that chunk_kda's intermediate states cannot give
         # (not a multiple of 64 tokens into the current segment, or every rung when exact_checkpoints);
@@ -122,9 +122,9 @@ class _KDAStep:
                 rounds[j].add(rows, slots[i], cks)
         self.rounds = [
             (
-                upload(torch.tensor(r.rows, dtype=torch.int64), device),
-                upload(torch.tensor(r.slots, dtype=torch.int64), device),
-                chunk_layout(r.cu, device),  # fla's chunk tables, once per step for every KDA layer
+                up(torch.tensor(r.rows, dtype=torch.int64), device),
+                up(torch.tensor(r.slots, dtype=torch.int64), device),
+                chunk_layout(r.cu, device, up),  # fla's chunk tables, once per step for every KDA layer
                 r.copies,
                 r.needs_h,
             )
@@ -167,6 +167,34 @@ class GPUKDABackend(KDABackend):
             return super().gate(g_raw, a_log, dt_bias, head_dim)
         g = g_raw.unflatten(-1, (-1, head_dim))
         return self._fused_gate(g, a_log.reshape(-1), dt_bias, output_dtype=torch.float32)
+
+    def layout_key(self, batch: ForwardBatch) -> tuple | None:
+        """What this step's conv + recurrence launches depend on, besides values in device tensors: the chunk
+        lengths and which chunks start from a state. Steps with one key launch the same kernels on the same
+        shapes, so one CUDA graph of the core serves them all once ``bind_static`` has refilled its metadata
+        (engine/prefill_graph/layouts.py). None where the launches follow host values too: decode rows (their
+        own kernel), rung checkpoints (copies at host-chosen slots), padding slots."""
+        if batch.decode_meta is not None or not batch.num_seqs or min(batch.state_slots) < 0:
+            return None
+        q_lens = tuple(_q_lens(batch))
+        if min(q_lens) < 2 or any(batch.checkpoints):
+            return None
+        return q_lens, tuple(batch.has_initial_state)
+
+    def bind_static(self, values: ForwardBatch, batch: ForwardBatch, uploads: StaticUploads) -> None:
+        """``values``' metadata (slots, offsets, chunk tables) written into ``uploads``' fixed buffers and kept
+        as ``batch``'s: calls with ``batch`` — or the CUDA graph captured over them — read ``values``' slots.
+        Both batches must have one ``layout_key``."""
+        if self.layout_key(values) is None or self.layout_key(values) != self.layout_key(batch):
+            raise ValueError(f"bind_static needs one layout, got {self.layout_key(values)} / {self.layout_key(batch)}")
+        uploads.rewind()
+        device = values.input_ids.device
+        self._step.put(batch, "kda", _KDAStep(values, device, self.exact_checkpoints, uploads))
+        self._step.put(
+            batch,
+            "conv_fla",
+            conv_step(values.state_slots, values.query_start_loc, values.has_initial_state, device, uploads),
+        )
 
     def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep | KDADecodeStep:
         if batch.decode_meta is not None:

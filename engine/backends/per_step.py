@@ -16,8 +16,16 @@ class PerStep:
         self._values: dict[Any, Any] = {}
 
     def get(self, batch: ForwardBatch, key: Any, build: Callable[[], Any]) -> Any:
-        if batch is not self._batch:  # a new step (the old batch stays referenced, so identity is safe)
-            self._batch, self._values = batch, {}
+        self._switch(batch)
         if key not in self._values:
             self._values[key] = build()
         return self._values[key]
+
+    def put(self, batch: ForwardBatch, key: Any, value: Any) -> None:
+        """A value built elsewhere (a CUDA graph's fixed-address metadata) for ``batch``'s calls."""
+        self._switch(batch)
+        self._values[key] = value
+
+    def _switch(self, batch: ForwardBatch) -> None:
+        if batch is not self._batch:  # a new step (the old batch stays referenced, so identity is safe)
+            self._batch, self._values = batch, {}

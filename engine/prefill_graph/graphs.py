@@ -27,6 +27,7 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM
 from engine.pad_targets import PadTargets
+from engine.prefill_graph.layouts import DEFAULT_MAX_LAYOUTS, KDALayout, LayoutBook, capture_batch
 from engine.prefill_graph.pieces import CaptureRun, EagerRun, Pieces, Run, split_backends
 from engine.scheduler import ScheduledChunk
 
@@ -54,6 +55,7 @@ class PrefillGraphs:
         pad: PadTargets,
         buckets: list[int],
         capture: bool,
+        max_layouts: int = DEFAULT_MAX_LAYOUTS,
     ) -> None:
         self.model, self.cache, self.device, self.page_size, self.pad = model, cache, device, page_size, pad
         self.buckets = sorted(buckets)
@@ -63,13 +65,22 @@ class PrefillGraphs:
         self.capture = capture and device.type == "cuda"
         self.enabled = True
         """Runtime switch (benchmarks compare the pieces with the eager step on one engine)."""
-        self._pieces: dict[int, Pieces] = {}
+        self._pieces: dict[int | tuple, Pieces] = {}
+        """By bucket, and by (bucket, layout key) for the layouts with their KDA cores inside (layouts.py)."""
+        self.layouts = LayoutBook(max_layouts if cache.recurrent else 0)
         self._captured_with: tuple = (None, ())
         """The model's backends and layer hooks the pieces were captured with: their kernels, core calls and
         hook boundaries are in the pieces."""
         self._batches: dict[int, ForwardBatch] = {}
         self._pool: Any = None
-        self.counts = {"graph_steps": 0, "eager_padded_steps": 0, "padded_rows": 0, "captures": 0}
+        self.counts = {
+            "graph_steps": 0,
+            "eager_padded_steps": 0,
+            "padded_rows": 0,
+            "captures": 0,
+            "layout_steps": 0,
+            "layout_captures": 0,
+        }
 
     def accepts(self, chunks: list[ScheduledChunk]) -> bool:
         if not self.enabled or not chunks or self.model.aux_layer_ids:
@@ -85,17 +96,47 @@ class PrefillGraphs:
         self._fill(batch, n, bucket)
         if self.capture:
             self._sync_model()
-            pieces = self._pieces.get(bucket) or self._capture(bucket)
+        layout = self._layout(batch, bucket)
+        if self.capture:
+            pieces = None
+            if layout is not None:
+                pieces = self._pieces.get((bucket, layout.key)) or self._capture(bucket, layout)
+                layout = layout if pieces is not None and self._bind(layout, batch) else None
+            if layout is None:
+                pieces = self._pieces.get(bucket) or self._capture(bucket)
             if pieces is None:  # the capture failed: this step (and every later one) takes the eager path
                 return self.model(batch, self.cache)
             self.counts["graph_steps"] += 1
+            self.counts["layout_steps"] += layout is not None
             return pieces.replay(batch, n)[:n]
         self.counts["eager_padded_steps"] += 1
+        if layout is not None and self._bind(layout, batch):  # the host mirrors a replay: the KDA cores inline
+            self.counts["layout_steps"] += 1
+            return self._forward(bucket, EagerRun(batch, n, bucket), layout)[:n]
         return self._forward(bucket, EagerRun(batch, n, bucket))[:n]
 
-    def capture_all(self) -> int:
+    def _layout(self, batch: ForwardBatch, bucket: int) -> KDALayout | None:
+        if not self.enabled or self.model.backends is None:
+            return None
+        return self.layouts.lookup(self.model.backends.kda, batch, bucket, self._capture_batch)
+
+    def _bind(self, layout: KDALayout, batch: ForwardBatch) -> bool:
+        """The step's KDA metadata into the layout's buffers (before its replay, on the same stream)."""
+        assert self.model.backends is not None
+        try:
+            self.model.backends.kda.bind_static(batch, layout.batch, layout.uploads)
+        except ValueError as err:  # not expected: one key, one sequence of uploads
+            logger.warning("prefill layout graphs off: %s", err)
+            self.layouts.enabled = False
+            return False
+        return True
+
+    def capture_all(self, full_chunk: int | None = None) -> int:
         """Capture every bucket not captured yet, largest first (the pool is sized once, smaller buckets reuse
-        it); stops at a failed capture (the pieces are then off). Returns the number of buckets captured."""
+        it); stops at a failed capture (the pieces are then off). With ``full_chunk`` (the scheduler's token
+        budget) equal to the largest bucket, also the two layouts of a long prompt's full chunks — its first,
+        and every later one (from a state) — with their KDA cores inside (layouts.py), so a prefill worker's
+        first long prompt does not wait for those captures. Returns the buckets captured."""
         if not (self.capture and self.enabled):
             return 0
         self._sync_model()
@@ -104,9 +145,22 @@ class PrefillGraphs:
             if bucket in self._pieces:
                 continue
             if self._capture(bucket) is None:
-                break
+                return done
             done += 1
+        top = self.buckets[-1]
+        kda = self.model.backends.kda if self.model.backends is not None else None
+        if full_chunk == top and hasattr(kda, "layout_key"):
+            for has_init in (False, True):
+                key = ((top,), (has_init,))
+                layout = self.layouts.register(key, top, self._capture_batch)
+                if layout is None or (top, key) in self._pieces:
+                    continue
+                if self._capture(top, layout) is None:
+                    break
         return done
+
+    def _capture_batch(self, key: tuple) -> ForwardBatch:
+        return capture_batch(key, self.input_ids, self.positions, self.pad.slot)
 
     def _sync_model(self) -> None:
         backends, hooks = self.model.backends, tuple(self.model.layer_hooks)
@@ -147,12 +201,12 @@ class PrefillGraphs:
             )
         return self._batches[bucket]
 
-    def _forward(self, bucket: int, run: Run) -> torch.Tensor:
-        with self._split(run):
+    def _forward(self, bucket: int, run: Run, layout: KDALayout | None = None) -> torch.Tensor:
+        with self._split(run, layout):
             return self.model(self._static_batch(bucket), self.cache)
 
     @contextmanager
-    def _split(self, run: Run) -> Iterator[None]:
+    def _split(self, run: Run, layout: KDALayout | None = None) -> Iterator[None]:
         """The model's backends and hooks, cut at the cores for one forward."""
         model = self.model
         backends, hooks = model.backends, list(model.layer_hooks)
@@ -165,42 +219,69 @@ class PrefillGraphs:
 
             run.boundary(call_hooks)
 
-        model.backends = split_backends(backends, run)
+        model.backends = split_backends(backends, run, layout.batch if layout is not None else None)
         model.layer_hooks = [at_boundary] if hooks else []
         try:
             yield
         finally:
             model.backends, model.layer_hooks = backends, hooks
 
-    def _capture(self, bucket: int) -> Pieces | None:
+    def _capture(self, bucket: int, layout: KDALayout | None = None) -> Pieces | None:
+        """The bucket's pieces, or with ``layout`` its pieces with the KDA cores inside (bound to the scratch
+        slot for the warm-up; the capture itself writes nothing)."""
         batch = self._static_batch(bucket)
+        if layout is not None and not self._bind(layout, layout.batch):  # before the side stream waits on it
+            return None
         current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         try:
             with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles and autotunes at this bucket's shapes, outside any capture
-                    self._forward(bucket, EagerRun(batch, bucket, bucket, hooks=False))
+                # compiles and autotunes at this bucket's shapes, outside any capture (a layout: one warm-up,
+                # for its KDA launches; the bucket's pieces, captured before it, warmed the rest)
+                for _ in range(2 if layout is None else 1):
+                    self._forward(bucket, EagerRun(batch, bucket, bucket, hooks=False), layout)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 run = CaptureRun(batch, self._pool)
                 run.begin()
                 try:
-                    hidden = self._forward(bucket, run)
+                    hidden = self._forward(bucket, run, layout)
                 except Exception:
                     run.abandon()
                     raise
                 run.end()
             current.wait_stream(stream)
         except Exception as err:  # an op that syncs or allocates on the host: keep serving eagerly
+            torch.cuda.synchronize(self.device)
+            if layout is not None:
+                logger.warning("prefill layout graph capture failed (%s); KDA cores stay eager", err)
+                self.layouts.enabled = False
+                return None
             logger.warning("prefill CUDA graph capture failed at %d tokens (%s); prefill runs eagerly", bucket, err)
             self.enabled = False
-            torch.cuda.synchronize(self.device)
             return None
-        self.counts["captures"] += 1
-        self._pieces[bucket] = run.pieces(hidden)
-        return self._pieces[bucket]
+        pieces = run.pieces(hidden)
+        if layout is None:
+            self.counts["captures"] += 1
+            self._pieces[bucket] = pieces
+        else:
+            self.counts["layout_captures"] += 1
+            self._pieces[(bucket, layout.key)] = pieces
+        return pieces
 
     def stats(self) -> dict[str, Any]:
-        pieces = {b: sum(g is not None for g in p.graphs) for b, p in sorted(self._pieces.items())}
-        return {**self.counts, "pieces": pieces, "capture": self.capture, "enabled": self.enabled}
+        pieces = {b: sum(g is not None for g in p.graphs) for b, p in self._pieces.items() if isinstance(b, int)}
+        layouts = {  # "bucket: chunk lengths / from a state" -> graphs (JSON keys)
+            f"{k[0]}: {list(k[1][0])} / {list(k[1][1])}": sum(g is not None for g in p.graphs)
+            for k, p in self._pieces.items()
+            if isinstance(k, tuple)
+        }
+        return {
+            **self.counts,
+            "pieces": dict(sorted(pieces.items())),
+            "layout_pieces": layouts,
+            "layouts_enabled": self.layouts.enabled,
+            "capture": self.capture,
+            "enabled": self.enabled,
+        }

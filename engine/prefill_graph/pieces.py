@@ -183,10 +183,21 @@ class SplitAttention(AttentionBackend):
 
 class SplitKDA(KDABackend):
     """``inner``'s KDA with the short conv and the recurrence handed to ``run`` as cores (the model calls them as
-    one, ``conv_recurrence``: q, k, v never leave the core); the gate (row-wise) stays in the pieces."""
+    one, ``conv_recurrence``: q, k, v never leave the core); the gate (row-wise) stays in the pieces.
 
-    def __init__(self, inner: KDABackend, run: Run) -> None:
-        self.inner, self.run = inner, run
+    With ``inline`` (a layout's capture batch, engine/prefill_graph/layouts.py) they are not cores: they run in
+    place on its rows, inside the piece being captured (or, on the host, eagerly), reading the metadata that
+    ``bind_static`` put under that batch; their outputs are padded back to the bucket's rows."""
+
+    def __init__(self, inner: KDABackend, run: Run, inline: ForwardBatch | None = None) -> None:
+        self.inner, self.run, self.inline = inner, run, inline
+
+    def _core(self, fn: CoreFn, rows: tuple[torch.Tensor, ...]) -> Any:
+        if self.inline is None:
+            return self.run.core(fn, rows)
+        n = self.inline.num_tokens
+        out = fn(self.inline, *(r[:n] for r in rows))
+        return _like(out, tuple(_pad_rows(t, rows[0].shape[0]) for t in _flat(out)))
 
     def run_mixer(self, mixer: Any, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.inner.run_mixer(mixer, x, batch)
@@ -198,13 +209,13 @@ class SplitKDA(KDABackend):
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         inner = self.inner
-        return self.run.core(lambda b, x: inner.short_conv(x, conv_cache, weight, b), (x,))
+        return self._core(lambda b, x: inner.short_conv(x, conv_cache, weight, b), (x,))
 
     def short_conv_qkv(
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         inner = self.inner
-        return self.run.core(lambda b, x: tuple(inner.short_conv_qkv(x, conv_cache, weight, b)), (x,))
+        return self._core(lambda b, x: tuple(inner.short_conv_qkv(x, conv_cache, weight, b)), (x,))
 
     def conv_recurrence(
         self,
@@ -217,7 +228,7 @@ class SplitKDA(KDABackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         inner = self.inner
-        return self.run.core(
+        return self._core(
             lambda b, qkv, g, beta: inner.conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, b),
             (qkv, g, beta),
         )
@@ -233,10 +244,10 @@ class SplitKDA(KDABackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         inner = self.inner
-        return self.run.core(
+        return self._core(
             lambda b, q, k, v, g, beta: inner.recurrence(q, k, v, g, beta, state_cache, b), (q, k, v, g, beta)
         )
 
 
-def split_backends(be: Backends, run: Run) -> Backends:
-    return Backends(SplitAttention(be.attention, run), SplitKDA(be.kda, run), be.moe, be.norm)
+def split_backends(be: Backends, run: Run, kda_inline: ForwardBatch | None = None) -> Backends:
+    return Backends(SplitAttention(be.attention, run), SplitKDA(be.kda, run, kda_inline), be.moe, be.norm)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.fla_chunks import CHUNK, ChunkLayout, chunk_layout
-from kernels.upload import upload
+from kernels.upload import Upload, upload
 
 FLA_TILE = CHUNK
 """fla's tokens per program (its ``chunk_size``); chunk_indices are built for it."""
@@ -47,18 +47,21 @@ class ConvStep:
         return self.tables.chunk_indices
 
 
-def conv_step(slots: Sequence[int], qsl: Sequence[int], has_init: Sequence[bool], device: torch.device) -> ConvStep:
+def conv_step(
+    slots: Sequence[int], qsl: Sequence[int], has_init: Sequence[bool], device: torch.device, up: Upload = upload
+) -> ConvStep:
+    """``up``: a ``StaticUploads`` keeps every device tensor at a fixed address (a CUDA graph's metadata)."""
     n = len(slots)
     if len(qsl) != n + 1 or len(has_init) != n or min(slots, default=0) < 0:
         raise ValueError(f"fla conv needs N real slots and N+1 offsets, got {list(slots)}, {list(qsl)}")
     ints = list(slots) + list(qsl) + [int(b) for b in has_init]
-    dev32 = upload(torch.tensor(ints, dtype=torch.int32), device)
+    dev32 = up(torch.tensor(ints, dtype=torch.int32), device)
     return ConvStep(
         slots=dev32[:n],
-        slots_long=dev32[:n].long(),
+        slots_long=up(torch.tensor(list(slots), dtype=torch.int64), device),  # uploaded, not cast: a fixed address
         qsl=dev32[n : 2 * n + 1],
         has_init=dev32[2 * n + 1 :],
-        tables=chunk_layout(qsl, device),
+        tables=chunk_layout(qsl, device, up),
         any_init=any(has_init),
     )
 
