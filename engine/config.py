@@ -105,9 +105,10 @@ class EngineConfig:
     (capped by max_num_batched_tokens) run as piecewise CUDA graphs over token buckets, with attention and the
     KDA conv / recurrence eager between the pieces (engine/prefill_graph). 0: those steps run eagerly."""
     prefill_layout_graphs: int = 8
-    """With the piecewise prefill graphs: up to this many KDA layouts (chunk lengths, which chunks continue a
-    state) seen twice get pieces with their KDA conv / recurrence inside the graphs (every full chunk of a
-    long prompt after the first shares one; engine/prefill_graph/layouts.py). 0: the KDA cores stay eager."""
+    """With the piecewise prefill graphs: the first this many KDA layouts seen (chunk lengths, which chunks
+    continue a state) are tracked, and those seen again get pieces with their KDA conv / recurrence inside the
+    graphs (every full chunk of a long prompt after the first shares one; engine/prefill_graph/layouts.py).
+    0: the KDA cores stay eager."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

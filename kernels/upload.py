@@ -42,7 +42,7 @@ class StaticUploads:
     """``upload`` into device buffers that keep their addresses from step to step: the n-th upload after
     ``rewind`` lands in the n-th buffer. A CUDA graph captured over a step's metadata reads these buffers; a
     later step with the same layout (the same uploads, in the same order and shapes) refills them before the
-    replay. A different sequence of uploads raises (the caller falls back to the step's own tensors)."""
+    replay. A different sequence of uploads raises (the caller stops replaying that graph)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -65,10 +65,6 @@ class StaticUploads:
         else:
             buf.copy_(t)
         return buf
-
-    @property
-    def buffers(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self._buffers)
 
 
 class PinnedStaging:

@@ -10,8 +10,9 @@ with it refills them and replays. Only attention (its launches follow the prefix
 stay between the pieces. An eager KDA core launches ~15 Triton kernels through fla's Python wrappers (3 ms of
 host a layer on an H200 host, bench/prefill_host.py), more than its GPU time at 8k tokens: the GPU waited.
 
-Bounded: at most ``max_layouts`` layouts get graphs (the first ones seen twice); other steps take the
-bucket's pieces. A failed layout capture turns layouts off for good (the pieces stay on).
+Bounded: only the first ``max_layouts`` layouts seen are tracked, and of those the ones seen again get graphs
+(a layout seen once is likely a one-off); other steps take the bucket's pieces. A failed layout capture turns
+layouts off for good (the pieces stay on).
 """
 
 from __future__ import annotations
