@@ -185,8 +185,9 @@ class GPUKDABackend(KDABackend):
         """``values``' metadata (slots, offsets, chunk tables) written into ``uploads``' fixed buffers and kept
         as ``batch``'s: calls with ``batch`` — or the CUDA graph captured over them — read ``values``' slots.
         Both batches must have one ``layout_key``."""
-        if self.layout_key(values) is None or self.layout_key(values) != self.layout_key(batch):
-            raise ValueError(f"bind_static needs one layout, got {self.layout_key(values)} / {self.layout_key(batch)}")
+        key = self.layout_key(values)
+        if key is None or (batch is not values and key != self.layout_key(batch)):
+            raise ValueError(f"bind_static needs one layout, got {key} / {self.layout_key(batch)}")
         uploads.rewind()
         device = values.input_ids.device
         self._step.put(batch, "kda", _KDAStep(values, device, self.exact_checkpoints, uploads))

@@ -96,7 +96,7 @@ class PrefillGraphs:
         self._fill(batch, n, bucket)
         if self.capture:
             self._sync_model()
-        layout = self._layout(batch, bucket)
+        layout = self._layout(batch)
         if self.capture:
             pieces = None
             if layout is not None:
@@ -115,10 +115,10 @@ class PrefillGraphs:
             return self._forward(bucket, EagerRun(batch, n, bucket), layout)[:n]
         return self._forward(bucket, EagerRun(batch, n, bucket))[:n]
 
-    def _layout(self, batch: ForwardBatch, bucket: int) -> KDALayout | None:
+    def _layout(self, batch: ForwardBatch) -> KDALayout | None:
         if not self.enabled or self.model.backends is None:
             return None
-        return self.layouts.lookup(self.model.backends.kda, batch, bucket, self._capture_batch)
+        return self.layouts.lookup(self.model.backends.kda, batch, self._capture_batch)
 
     def _bind(self, layout: KDALayout, batch: ForwardBatch) -> bool:
         """The step's KDA metadata into the layout's buffers (before its replay, on the same stream)."""
@@ -152,7 +152,7 @@ class PrefillGraphs:
         if full_chunk == top and hasattr(kda, "layout_key"):
             for has_init in (False, True):
                 key = ((top,), (has_init,))
-                layout = self.layouts.register(key, top, self._capture_batch)
+                layout = self.layouts.register(key, self._capture_batch)
                 if layout is None or (top, key) in self._pieces:
                     continue
                 if self._capture(top, layout) is None:

@@ -31,7 +31,6 @@ DEFAULT_MAX_LAYOUTS = 8
 @dataclass(frozen=True)
 class KDALayout:
     key: tuple
-    bucket: int
     batch: ForwardBatch
     """The layout's sequences over the first rows of the static buffers, each on the scratch slot: what the
     KDA cores are captured with (``bind_static`` puts a real step's slots under it)."""
@@ -47,7 +46,7 @@ class LayoutBook:
         self._seen: set[tuple] = set()
         self._layouts: dict[tuple, KDALayout] = {}
 
-    def lookup(self, kda: Any, batch: ForwardBatch, bucket: int, make_batch: Any) -> KDALayout | None:
+    def lookup(self, kda: Any, batch: ForwardBatch, make_batch: Any) -> KDALayout | None:
         """The step's layout when it has (or, seen before, now gets) graphs; None: the bucket's pieces.
         ``make_batch(key) -> ForwardBatch`` builds the capture batch of a new layout."""
         key_of = getattr(kda, "layout_key", None)
@@ -62,9 +61,9 @@ class LayoutBook:
             if len(self._seen) < self.max_layouts:
                 self._seen.add(key)
             return None
-        return self._add(key, bucket, make_batch)
+        return self._add(key, make_batch)
 
-    def register(self, key: tuple, bucket: int, make_batch: Any) -> KDALayout | None:
+    def register(self, key: tuple, make_batch: Any) -> KDALayout | None:
         """A layout known to repeat (a long prompt's full chunks), given graphs before it is seen; None when
         layouts are off or the bound is reached."""
         if not self.enabled:
@@ -74,15 +73,12 @@ class LayoutBook:
         if key not in self._seen and len(self._seen) >= self.max_layouts:
             return None
         self._seen.add(key)
-        return self._add(key, bucket, make_batch)
+        return self._add(key, make_batch)
 
-    def _add(self, key: tuple, bucket: int, make_batch: Any) -> KDALayout:
-        layout = KDALayout(key, bucket, make_batch(key), StaticUploads())
+    def _add(self, key: tuple, make_batch: Any) -> KDALayout:
+        layout = KDALayout(key, make_batch(key), StaticUploads())
         self._layouts[key] = layout
         return layout
-
-    def layouts(self) -> list[KDALayout]:
-        return list(self._layouts.values())
 
 
 def capture_batch(key: tuple, input_ids: torch.Tensor, positions: torch.Tensor, slot: int) -> ForwardBatch:

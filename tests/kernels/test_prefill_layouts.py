@@ -63,11 +63,11 @@ def test_layout_book_gives_graphs_from_the_second_sighting():
         return capture_batch(key, torch.zeros(64, dtype=torch.int64), torch.zeros(64, dtype=torch.int64), PAD)
 
     a, b = make_batch([40], [40], 16, 64), make_batch([50], [50], 16, 64)
-    assert book.lookup(be, a, 64, make) is None  # first sighting: the bucket's pieces
-    assert book.lookup(be, b, 64, make) is None  # over the bound: never gets graphs
-    got = book.lookup(be, a, 64, make)
-    assert got is not None and got.key == ((40,), (False,)) and book.lookup(be, a, 64, make) is got
-    assert book.lookup(be, b, 64, make) is None and made == [got.key]
+    assert book.lookup(be, a, make) is None  # first sighting: the bucket's pieces
+    assert book.lookup(be, b, make) is None  # over the bound: never gets graphs
+    got = book.lookup(be, a, make)
+    assert got is not None and got.key == ((40,), (False,)) and book.lookup(be, a, make) is got
+    assert book.lookup(be, b, make) is None and made == [got.key]
     assert got.batch.state_slots == [PAD] and got.batch.num_tokens == 40
 
 
