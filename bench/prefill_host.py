@@ -117,7 +117,9 @@ def _held_step_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> d
     return out
 
 
-def measure(eng: LLMEngine, length: int, repeat: int, top: int, trace_dir: Path | None = None) -> dict[str, Any]:
+def measure(
+    eng: LLMEngine, length: int, repeat: int, top: int, trace_dir: Path | None = None, kernels: int = 0
+) -> dict[str, Any]:
     ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     wall, _ = tandem_bench.prefill_seconds(eng, ids, repeat)
@@ -145,6 +147,7 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int, trace_dir: Path 
     with profile.labelled_ops(eng.model):
         kprof = profile.profiled(lambda: eng.generate([ids], one), eng.device)
     census = profile.kernel_census(kprof)
+    table = profile.top_kernels(kprof, eng.device, rows=kernels) if kernels else None
     gaps = None
     if trace_dir is not None:  # where the GPU waited in the profiled step (bench/mid/gaps.py)
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -153,6 +156,7 @@ def measure(eng: LLMEngine, length: int, repeat: int, top: int, trace_dir: Path 
         gaps = mid_gaps.report(path.name, mid_gaps.summarise(mid_gaps.load_events(path), min_gap_us=50.0, top=12))
     return {
         "gaps": gaps,
+        "top_kernels": table,
         "length": length,
         "wall_s": wall,
         "host_before_runner_s": split.pop("before_runner"),
@@ -178,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (piecewise prefill) on")
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled step's trace, list its GPU gaps")
+    p.add_argument("--kernels", type=int, default=0, help="list the profiled step's N costliest ops / kernels")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     eng.prompt_logits(tandem_bench.prompt(warm, eng.model_config.vocab_size, 0))  # compile + fla autotune
     rows = []
     for length in a.lengths:
-        r = measure(eng, length, a.repeat, a.top, a.trace_dir)
+        r = measure(eng, length, a.repeat, a.top, a.trace_dir, a.kernels)
         rows.append(r)
         print(
             f"prefill {length}: wall {r['wall_s'] * 1e3:.1f} ms, host (no profiler) "
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if r["gaps"]:
             print(r["gaps"], flush=True)
+        if r["top_kernels"]:
+            print(r["top_kernels"], flush=True)
         print(r["pstats"])
     if a.out:
         device = torch.cuda.get_device_name() if cuda else "cpu"

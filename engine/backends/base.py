@@ -130,6 +130,9 @@ class MoEBackend(ABC):
         w3: torch.Tensor,
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Weighted sum of SwiGLU experts; w1/w3 [E, I, H], w2 [E, H, I]. w13 [E, 2I, H], when given, is
-        w1 | w3 in one tensor (w1 and w3 are views of it: CausalLM.pack_weights), for one GEMM instead of two."""
+        w1 | w3 in one tensor (w1 and w3 are views of it: CausalLM.pack_weights), for one GEMM instead of two.
+        ``add`` [T, H] (the shared expert's output) is added to the result in x's dtype: ``y + add``, the
+        same rounding as a separate add (the GPU backend does it inside its combine)."""

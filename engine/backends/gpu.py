@@ -176,13 +176,14 @@ class GPUMoEBackend(MoEBackend):
         w3: torch.Tensor,
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pairs = ids.numel()
         if w13 is not None and 0 < pairs <= DECODE_MAX_PAIRS and self._decode_path(x):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
                 y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
-                return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
+                return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # e.g. a compile failure on an untried GPU: the grouped path, for good
                 self._decode_failed = True
                 logger.warning("MoE decode kernels failed (%s); decode steps use the grouped path", err)
@@ -190,13 +191,14 @@ class GPUMoEBackend(MoEBackend):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
                 y = moe_experts_prefill(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
-                return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype)
+                return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # as above: the grouped path, for good
                 self._prefill_failed = True
                 logger.warning("MoE prefill kernels failed (%s); long steps use the grouped path", err)
-        return grouped_moe(
+        y = grouped_moe(
             x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto, combine=moe_combine_auto
         )
+        return y if add is None else y + add
 
 
 __all__ = ["GPUAttentionBackend", "GPUKDABackend", "GPUMoEBackend", "gpu_kda_backend"]

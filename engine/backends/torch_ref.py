@@ -125,5 +125,7 @@ class TorchMoEBackend(MoEBackend):
         w3: torch.Tensor,
         w2: torch.Tensor,
         w13: torch.Tensor | None = None,
+        add: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return naive_moe(x, weights, ids, w1, w3, w2)
+        y = naive_moe(x, weights, ids, w1, w3, w2)
+        return y if add is None else y + add

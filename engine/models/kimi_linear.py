@@ -143,8 +143,9 @@ class SparseMoE(nn.Module):
             self.cfg.moe_renormalize,
             self.cfg.routed_scaling_factor,
         )
-        y = be.moe.experts(x, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2, w13=self.w13)
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        ex = self.experts
+        return be.moe.experts(x, weights, ids, ex.w1, ex.w3, ex.w2, w13=self.w13, add=shared)  # routed + shared
 
 
 class KimiDecoderLayer(nn.Module):

@@ -6,11 +6,18 @@ expert: its group starts after every pair of a lower expert (a count over all pa
 next rows in pair order (an exclusive cumsum of "this pair is mine"). That is exactly the stable sort's order.
 Each program reads the N ids twice (N * 8 bytes: 4 KB at a 64-token decode step) and nothing is serial across
 experts. (The first version walked all pairs in one program, counts then placement: 27.9 us at 512 pairs on
-an H200, 2.4 us at 8; it is in git history.) Larger steps (prefill) keep the torch path, where the sort is
-cheap per pair.
+an H200, 2.4 us at 8; it is in git history.)
+
+Prefill steps (65,536 pairs at 8k tokens, top-8) took torch's path: a radix sort and a scatter-add, a cumsum,
+a scatter and an integer divide, ~9 kernels and ~100 us a MoE layer on an H200. ``moe_align_blocks`` is a
+counting sort in three launches over blocks of pairs: each block's per-expert histogram; one program turns
+the [blocks, E] counts into each (block, expert)'s first row (experts in order, blocks in order inside an
+expert); each block sorts its (expert, pair) keys and writes every pair at its row. Same stable order.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -79,12 +86,87 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block: int | None = No
     return MoEAlign(order=order, token=token, offsets=ends, position=position)
 
 
+@triton.jit
+def _block_counts_kernel(IDS, COUNTS, N, E: tl.constexpr, BLOCK: tl.constexpr):
+    """COUNTS[b, e]: pairs of block b routed to expert e."""
+    b = tl.program_id(0)
+    o = b * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(IDS + o, mask=o < N, other=0).to(tl.int32)
+    o_e = tl.arange(0, E)
+    pad = BLOCK - tl.minimum(N - b * BLOCK, BLOCK)  # ids past the end were counted in bin 0
+    hist = tl.histogram(ids, E) - tl.where(o_e == 0, pad, 0)
+    tl.store(COUNTS + b * E + o_e, hist)
+
+
+@triton.jit
+def _block_rows_kernel(COUNTS, SHIFT, ENDS, NB, E: tl.constexpr):
+    """SHIFT[b, e] = first row of block b's pairs of expert e minus the pairs of lower experts in block b
+    (so a block's i-th pair in (expert, pair) order lands at SHIFT[b, e] + i); ENDS[e] = expert e's end row."""
+    o_e = tl.arange(0, E)
+    total = tl.zeros([E], dtype=tl.int32)
+    for b in range(NB):
+        total += tl.load(COUNTS + b * E + o_e)
+    run = tl.cumsum(total, 0) - total  # expert e's first row
+    tl.store(ENDS + o_e, run + total)
+    for b in range(NB):
+        c = tl.load(COUNTS + b * E + o_e)
+        tl.store(SHIFT + b * E + o_e, run - (tl.cumsum(c, 0) - c))
+        run += c
+
+
+@triton.jit
+def _block_place_kernel(
+    IDS, SHIFT, ORDER, TOKEN, POSITION, N, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    b = tl.program_id(0)
+    o_b = tl.arange(0, BLOCK)
+    o = b * BLOCK + o_b
+    ids = tl.load(IDS + o, mask=o < N, other=E).to(tl.int32)
+    keys = tl.sort(ids * BLOCK + o_b)  # (expert, pair) order: stable inside an expert
+    e = keys // BLOCK
+    pair = b * BLOCK + keys % BLOCK
+    live = e < E
+    pos = tl.load(SHIFT + b * E + e, mask=live, other=0) + o_b
+    tl.store(ORDER + pos, pair.to(tl.int64), mask=live)
+    tl.store(TOKEN + pos, (pair // TOP_K).to(tl.int64), mask=live)
+    tl.store(POSITION + pair, pos.to(tl.int64), mask=live)
+
+
+def moe_align_blocks(ids: torch.Tensor, num_experts: int, block: int = 2048, num_warps: int = 4) -> MoEAlign:
+    """ids [T, k] int64 -> ``moe_align``'s layout (the same stable order) by a counting sort in three launches
+    over blocks of ``block`` pairs (a power of two): for steps of any size, no host sync."""
+    check_device("moe_align_blocks", ids)
+    if ids.ndim != 2:
+        raise ValueError(f"ids must be [T, k], got {tuple(ids.shape)}")
+    if block != next_pow2(block) or num_experts != next_pow2(num_experts):
+        raise ValueError(f"block ({block}) and num_experts ({num_experts}) must be powers of two")
+    flat = ids.reshape(-1).contiguous()
+    n, dev = flat.numel(), ids.device
+    order, token, position = (torch.empty(n, dtype=torch.int64, device=dev) for _ in range(3))
+    ends = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    if n == 0:
+        return MoEAlign(order=order, token=token, offsets=ends, position=position)
+    nb = triton.cdiv(n, block)
+    counts = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
+    shift = torch.empty_like(counts)
+    meta = dict(E=num_experts, BLOCK=block, num_warps=num_warps)
+    _block_counts_kernel[(nb,)](flat, counts, n, **meta)
+    _block_rows_kernel[(1,)](counts, shift, ends, nb, E=num_experts, num_warps=num_warps)
+    _block_place_kernel[(nb,)](flat, shift, order, token, position, n, TOP_K=ids.shape[1], **meta)
+    return MoEAlign(order=order, token=token, offsets=ends, position=position)
+
+
 def moe_align_auto(ids: torch.Tensor, num_experts: int) -> MoEAlign:
     """The one-launch kernel for a decode-sized step on CUDA (or under the interpreter: the GPU backends'
-    tests on the host), torch's sort otherwise."""
-    if (ids.is_cuda or is_interpreting()) and 0 < ids.numel() <= MAX_PAIRS:
+    tests on the host), the block counting sort for longer steps, torch's sort off CUDA (or with
+    ``TANDEM_MOE_BLOCK_ALIGN=0``, or expert counts that are not a power of two)."""
+    if not (ids.is_cuda or is_interpreting()) or ids.numel() == 0:
+        return moe_align(ids, num_experts)
+    if ids.numel() <= MAX_PAIRS:
         return moe_align_triton(ids, num_experts)
+    if num_experts == next_pow2(num_experts) and os.environ.get("TANDEM_MOE_BLOCK_ALIGN", "1") != "0":
+        return moe_align_blocks(ids, num_experts)
     return moe_align(ids, num_experts)
 
 
-__all__ = ["MAX_PAIRS", "moe_align_auto", "moe_align_triton"]
+__all__ = ["MAX_PAIRS", "moe_align_auto", "moe_align_blocks", "moe_align_triton"]

@@ -22,10 +22,13 @@ def _moe_combine_kernel(
     ROWS,  # [T*k] int64 sorted row of pair t*k + s
     W,  # [T, k] routing weights (any float dtype)
     OUT,  # [T, H]
+    ADD,  # [T, H] added to the rounded sum (HAS_ADD): the shared expert's output
     H,
     stride_y,
     stride_out,
+    stride_add,
     TOP_K: tl.constexpr,
+    HAS_ADD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -36,35 +39,65 @@ def _moe_combine_kernel(
         row = tl.load(ROWS + t * TOP_K + s)
         w = tl.load(W + t * TOP_K + s).to(tl.float32)
         acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_ADD:  # rounded first, then added and rounded again: bit for bit the separate `y + shared`
+        add = tl.load(ADD + t.to(tl.int64) * stride_add + cols, mask=m, other=0.0).to(tl.float32)
+        acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + add
     tl.store(OUT + t.to(tl.int64) * stride_out + cols, acc.to(OUT.dtype.element_ty), mask=m)
 
 
 def moe_combine_triton(
-    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [T*k, H], rows [T*k] int64, weights [T, k] -> [T, H] ``out_dtype`` (``grouped.moe_combine``)."""
+    """y [T*k, H], rows [T*k] int64, weights [T, k] -> [T, H] ``out_dtype`` (``grouped.moe_combine``);
+    ``add`` [T, H] is added to the rounded sum in the same launch (the shared expert: one pass over [T, H]
+    fewer than a separate add)."""
     check_device("moe_combine_triton", y, rows, weights)
     t, k = weights.shape
     if y.ndim != 2 or y.shape[0] != t * k or rows.shape != (t * k,):
         raise ValueError(f"y must be [T*k, H] and rows [T*k] for weights {tuple(weights.shape)}")
     y = y if y.stride(1) == 1 else y.contiguous()
     h = y.shape[1]
+    if add is not None:
+        if add.shape != (t, h) or add.device != y.device:
+            raise ValueError(f"add must be [{t}, {h}] on {y.device}, got {tuple(add.shape)} on {add.device}")
+        add = add if add.stride(1) == 1 else add.contiguous()
     out = torch.empty(t, h, dtype=out_dtype, device=y.device)
     if t == 0:
         return out
     block_h = min(1024, next_pow2(h))
     grid = (t, triton.cdiv(h, block_h))
     _moe_combine_kernel[grid](
-        y, rows.contiguous(), weights.contiguous(), out, h, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block_h
+        y,
+        rows.contiguous(),
+        weights.contiguous(),
+        out,
+        out if add is None else add,
+        h,
+        y.stride(0),
+        out.stride(0),
+        0 if add is None else add.stride(0),
+        TOP_K=k,
+        HAS_ADD=add is not None,
+        BLOCK_H=block_h,
     )
     return out
 
 
-def moe_combine_auto(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
+def moe_combine_auto(
+    y: torch.Tensor,
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The Triton combine on CUDA (or under the interpreter: the GPU backends' host tests), torch's otherwise."""
     if y.is_cuda or is_interpreting():
-        return moe_combine_triton(y, rows, weights, out_dtype)
-    return moe_combine(y, rows, weights, out_dtype)
+        return moe_combine_triton(y, rows, weights, out_dtype, add)
+    return moe_combine(y, rows, weights, out_dtype, add)
 
 
 __all__ = ["moe_combine_auto", "moe_combine_triton"]

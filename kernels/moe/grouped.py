@@ -45,12 +45,16 @@ class MoEAlign:
         return pos.scatter_(0, self.order, torch.arange(self.order.numel(), device=self.order.device))
 
 
-def moe_combine(y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def moe_combine(
+    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, add: torch.Tensor | None = None
+) -> torch.Tensor:
     """out[t] = sum_s weights[t, s] * y[rows[t * k + s]] in fp32. y [T*k, H] expert outputs in sorted order,
-    rows [T*k], weights [T, k] -> [T, H] ``out_dtype``. (kernels/moe/combine.py: the same in one launch.)"""
+    rows [T*k], weights [T, k] -> [T, H] ``out_dtype``, then ``+ add`` [T, H] when given (the shared expert).
+    (kernels/moe/combine.py: the same in one launch.)"""
     t, k = weights.shape
     picked = y[rows].view(t, k, y.shape[1]).float()
-    return (picked * weights.float()[..., None]).sum(dim=1).to(out_dtype)
+    out = (picked * weights.float()[..., None]).sum(dim=1).to(out_dtype)
+    return out if add is None else out + add
 
 
 def moe_align(ids: torch.Tensor, num_experts: int) -> MoEAlign:

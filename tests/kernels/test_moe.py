@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe.align import moe_align_triton
+from kernels.moe.align import moe_align_blocks, moe_align_triton
 from kernels.moe.combine import moe_combine_triton
 from kernels.moe.decode import decode_tiles, moe_experts_decode
 from kernels.moe.grouped import grouped_moe, moe_align, moe_combine
@@ -84,6 +84,38 @@ def test_moe_align_triton_is_the_stable_sort(t, e, k, hot):
     assert torch.equal(got.order[rows], torch.arange(t * k, device=DEVICE))
 
 
+SLOW_SORT = "the interpreter sorts a 2,048-key block in ~4 s (32 of them here); the host runs smaller blocks"
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "k", "hot", "block"),
+    [
+        pytest.param(  # an 8k prefill of Kimi-Linear with the default block: 65,536 pairs, 32 blocks
+            8192, 256, 8, None, 2048, marks=pytest.mark.skipif(DEVICE.type != "cuda", reason=SLOW_SORT)
+        ),
+        (512, 256, 8, None, 512),  # Kimi's experts, 8 blocks
+        (400, 64, 6, None, 256),  # a partial last block
+        (300, 16, 4, 2, 64),  # most pairs on two experts: runs of one expert across many blocks
+        (3, 8, 2, None, 64),  # fewer pairs than a block
+    ],
+)
+def test_moe_align_blocks_is_the_stable_sort(t, e, k, hot, block):
+    g = torch.Generator().manual_seed(t + e)
+    if hot is None:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    else:
+        ids = torch.randint(0, hot, (t, k), generator=g)
+        ids[::5] = torch.randint(0, e, (len(ids[::5]), k), generator=g)
+    ids = ids.to(DEVICE)
+    want, got = moe_align(ids, e), moe_align_blocks(ids, e, block=block)
+    assert got.offsets.dtype == torch.int32 and got.offsets.tolist() == want.offsets.tolist()
+    assert got.order.tolist() == want.order.tolist()
+    assert got.token.tolist() == want.token.tolist()
+    assert got.position is not None and got.rows_of_pairs().tolist() == want.rows_of_pairs().tolist()
+    with pytest.raises(ValueError, match="powers of two"):
+        moe_align_blocks(ids, e, block=block + 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("t", "k", "h"), [(1, 8, 64), (37, 3, 200), (5, 2, 2304)])
 def test_combine_triton_matches_torch_and_the_definition(t, k, h, dtype):
@@ -100,6 +132,27 @@ def test_combine_triton_matches_torch_and_the_definition(t, k, h, dtype):
         swapped = rows.clone()
         swapped[[0, k]] = swapped[[k, 0]]
         assert not torch.allclose(moe_combine_triton(y, swapped, weights, dtype).float(), got.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_combine_adds_the_shared_output_bit_for_bit_as_a_separate_add(dtype):
+    """``add`` (the shared expert) folded into the combine: the sum rounded to the output dtype, then added and
+    rounded again, so the result equals ``combine(...) + add`` exactly, in both implementations."""
+    t, k, h = 37, 3, 200
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(t * k, h, generator=g).to(DEVICE, dtype)
+    rows = torch.randperm(t * k, generator=g).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    add = torch.randn(t, h + 8, generator=g).to(DEVICE, dtype)[:, 3 : 3 + h]  # a strided view
+    want = moe_combine_triton(y, rows, weights, dtype) + add
+    got = moe_combine_triton(y, rows, weights, dtype, add)
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":  # the interpreter's fp32 -> bf16 casts truncate
+        assert_close("combine + add", want.float(), got.float(), 1e-2)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(moe_combine(y, rows, weights, dtype, add), moe_combine(y, rows, weights, dtype) + add)
+    with pytest.raises(ValueError, match="add must be"):
+        moe_combine_triton(y, rows, weights, dtype, add[:-1])
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["w1_w3", "w13"])
