@@ -17,6 +17,7 @@
 #                                            # the best tiles at 32k) and the MoE kernel tests on the GPU
 #   bash bench/gpu_session.sh moe-prefill-ab # 1 x H200: Kimi mid prefill 8k / 32k, the MoE experts through the
 #                                            # grouped path and the prefill kernels interleaved on one engine
+#   bash bench/gpu_session.sh moe-glue       # 1 x H200: the MoE align / combine tests, then each against what it replaced
 #   bash bench/gpu_session.sh layout-graphs  # 1 x H200: the layout / piecewise graph tests on the GPU, then prefill 2k / 8k
 #                                            # with the KDA cores eager between the pieces and inside them
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
@@ -39,7 +40,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -63,6 +64,8 @@ case "$step" in
     python -m bench.moe_prefill_sweep --out "$OUT/moe_prefill_sweep.json" "$@" | tee "$OUT/moe_prefill_sweep.txt" ;;
   moe-prefill-ab) python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 4096 32768 --batches 64 \
       --decode-steps 10 --repeat 3 --moe-prefill-ab --out "$OUT/mid_tandem_moe_ab.json" "$@" ;;
+  moe-glue) python -m pytest -q tests/kernels/test_moe.py -k "align or combine" 2>&1 | tee "$OUT/gpu_tests_moe_glue.txt"
+    python -m bench.moe_prefill_glue --out "$OUT/moe_prefill_glue.json" "$@" | tee "$OUT/moe_prefill_glue.txt" ;;
   layout-graphs) python -m pytest -q tests/kernels/test_prefill_layouts.py tests/kernels/test_prefill_graphs_gpu.py \
       2>&1 | tee "$OUT/gpu_tests_layouts.txt"
     python -m bench.gpu_mid --parts tandem --prefill 2048 8192 --ctx 4096 --batches 64 --decode-steps 10 --repeat 3 \

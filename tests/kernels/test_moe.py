@@ -57,6 +57,17 @@ def test_align_groups_pairs_by_expert():
     assert al.token.tolist() == (al.order // 2).tolist()
 
 
+def _routed_ids(t: int, e: int, k: int, hot: int | None) -> torch.Tensor:
+    """[t, k] expert ids: k distinct experts a token, or (hot) most pairs on the first ``hot`` experts."""
+    g = torch.Generator().manual_seed(t + e)
+    if hot is None:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    else:
+        ids = torch.randint(0, hot, (t, k), generator=g)
+        ids[::5] = torch.randint(0, e, (len(ids[::5]), k), generator=g)
+    return ids.to(DEVICE)
+
+
 @pytest.mark.parametrize(
     ("t", "e", "k", "hot"),
     [
@@ -68,13 +79,7 @@ def test_align_groups_pairs_by_expert():
     ],
 )
 def test_moe_align_triton_is_the_stable_sort(t, e, k, hot):
-    g = torch.Generator().manual_seed(t + e)
-    if hot is None:
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    else:
-        ids = torch.randint(0, hot, (t, k), generator=g)
-        ids[::5] = torch.randint(0, e, (len(ids[::5]), k), generator=g)
-    ids = ids.to(DEVICE)
+    ids = _routed_ids(t, e, k, hot)
     want, got = moe_align(ids, e), moe_align_triton(ids, e)
     assert got.offsets.tolist() == want.offsets.tolist()
     assert got.order.tolist() == want.order.tolist()
@@ -100,13 +105,7 @@ SLOW_SORT = "the interpreter sorts a 2,048-key block in ~4 s (32 of them here); 
     ],
 )
 def test_moe_align_blocks_is_the_stable_sort(t, e, k, hot, block):
-    g = torch.Generator().manual_seed(t + e)
-    if hot is None:
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    else:
-        ids = torch.randint(0, hot, (t, k), generator=g)
-        ids[::5] = torch.randint(0, e, (len(ids[::5]), k), generator=g)
-    ids = ids.to(DEVICE)
+    ids = _routed_ids(t, e, k, hot)
     want, got = moe_align(ids, e), moe_align_blocks(ids, e, block=block)
     assert got.offsets.dtype == torch.int32 and got.offsets.tolist() == want.offsets.tolist()
     assert got.order.tolist() == want.order.tolist()
