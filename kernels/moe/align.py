@@ -26,6 +26,9 @@ import triton.language as tl
 from kernels.moe.grouped import MoEAlign, moe_align
 from kernels.triton_utils import check_device, is_interpreting, next_pow2
 
+BLOCK_ALIGN = os.environ.get("TANDEM_MOE_BLOCK_ALIGN", "1") != "0"
+"""``moe_align_blocks`` for long steps (read once: ``moe_align_auto`` runs in every MoE layer of every step)."""
+
 MAX_PAIRS = 8192
 """Above this many (token, expert) pairs, torch's sort (set for the first, one-program kernel; each program of
 this one reads all N ids, so long steps stay with the sort)."""
@@ -164,9 +167,9 @@ def moe_align_auto(ids: torch.Tensor, num_experts: int) -> MoEAlign:
         return moe_align(ids, num_experts)
     if ids.numel() <= MAX_PAIRS:
         return moe_align_triton(ids, num_experts)
-    if num_experts == next_pow2(num_experts) and os.environ.get("TANDEM_MOE_BLOCK_ALIGN", "1") != "0":
+    if BLOCK_ALIGN and num_experts == next_pow2(num_experts):
         return moe_align_blocks(ids, num_experts)
     return moe_align(ids, num_experts)
 
 
-__all__ = ["MAX_PAIRS", "moe_align_auto", "moe_align_blocks", "moe_align_triton"]
+__all__ = ["BLOCK_ALIGN", "MAX_PAIRS", "moe_align_auto", "moe_align_blocks", "moe_align_triton"]
