@@ -30,12 +30,17 @@ def _teacher_forced(eng: LLMEngine, prompt: list[int], out: list[int]) -> torch.
 
 
 def agreement(
-    arch: str, n_prompts: int, n_tokens: int, dtype: str = "bfloat16", device: str = "cuda"
+    arch: str,
+    n_prompts: int,
+    n_tokens: int,
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    prompt_lens: tuple[int, int] = (8, 200),
 ) -> dict[str, float]:
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch))
     g = torch.Generator().manual_seed(0)
     prompts = [
-        torch.randint(4, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
+        torch.randint(4, 500, (int(torch.randint(*prompt_lens, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n_prompts)
     ]
     greedy = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
@@ -80,9 +85,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda", help="cpu: a host check of the script itself")
     ap.add_argument("--arch", nargs="*", default=["kimi_linear", "qwen3"])
+    ap.add_argument(
+        "--prompt-lens", type=int, nargs=2, default=(8, 200), metavar=("LO", "HI"), help="prompt lengths in [LO, HI)"
+    )
     a = ap.parse_args()
     for arch in a.arch:
-        r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device)
+        r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device, tuple(a.prompt_lens))
         print(
             f"{arch} {a.dtype}: "
             + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),

@@ -20,6 +20,8 @@
 #   bash bench/gpu_session.sh moe-glue       # 1 x H200: the MoE align / combine tests, then each against what it replaced
 #   bash bench/gpu_session.sh layout-graphs  # 1 x H200: the layout / piecewise graph tests on the GPU, then prefill 2k / 8k
 #                                            # with the KDA cores eager between the pieces and inside them
+#   bash bench/gpu_session.sh prefill-cuts   # 1 x H200: MLA SDPA keys out of one GEMM, the tile map, the q|k|v conv
+#                                            # with q / k normed (sub-tile sweep), each against what it replaced
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -40,7 +42,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -54,6 +56,8 @@ case "$step" in
       TANDEM_PROFILE_SKIP=2 TANDEM_PROFILE_STEPS=1 python -m bench.parallel_gpu --arch kimi_linear --layouts single pcp2 \
       --workloads pcp --pcp-lens 16384 65536 --repeat 1 --trace-dir "$OUT/traces" --out "$OUT/pcp_trace.json" "$@"
     python -m bench.mid.gaps "$OUT"/rank_traces/*-trace.json.gz | tee "$OUT/rank_gaps.txt" ;;
+  prefill-cuts) python -m bench.mla_sdpa_keys --out "$OUT/mla_sdpa_keys.json" "$@" | tee "$OUT/mla_sdpa_keys.txt"
+    python -m bench.conv_planes | tee "$OUT/conv_planes.txt" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   mla-prefill) python -m bench.mla_prefill_sdpa --out "$OUT/mla_prefill_sdpa.json" "$@" ;;
   moe-decode) python -m bench.gpu_kernels_check --only moe | tee "$OUT/moe_check.txt"

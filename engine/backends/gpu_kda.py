@@ -7,6 +7,7 @@ Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -17,7 +18,9 @@ from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import KDA_CHUNK, chunk_kda_varlen, chunk_layout, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
-from kernels.short_conv.triton import short_conv_update
+from kernels.short_conv.planes import conv_planes
+from kernels.short_conv.triton import short_conv_update, write_windows
+from kernels.triton_utils import is_interpreting
 from kernels.upload import StaticUploads, Upload, upload
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,12 @@ ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 FLA_CONV_MIN_LEN = (
     256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
 )
+PLANES_MIN_LEN = FLA_CONV_MIN_LEN
+"""Prefill steps with a chunk this long take the q|k|v conv with q / k normed in one launch
+(kernels/short_conv/planes.py) instead of fla's conv and two ``l2norm`` passes: on the H200, 8-row sub-tiles at
+2 warps, 248 vs 284 us a layer at 8k tokens, 959 vs 1,056 us at 32k (docs/PERFORMANCE.md, sixteenth session).
+``TANDEM_KDA_CONV_PLANES=0`` keeps fla's conv + norms (A/B runs)."""
+CONV_PLANES = os.environ.get("TANDEM_KDA_CONV_PLANES", "1").strip() != "0"
 
 
 class _Round:
@@ -150,9 +159,15 @@ class GPUKDABackend(KDABackend):
     ``chunk_fn`` has the signature of ``kernels.kda.fla_adapter.chunk_kda_varlen`` (tests inject a reference).
     """
 
-    def __init__(self, chunk_fn: ChunkFn | None = None, exact_checkpoints: bool = False) -> None:
+    def __init__(
+        self, chunk_fn: ChunkFn | None = None, exact_checkpoints: bool = False, planes_min_len: int | None = None
+    ) -> None:
         self.chunk_fn = chunk_fn or chunk_kda_varlen
         self.exact_checkpoints = exact_checkpoints
+        if planes_min_len is None and CONV_PLANES:
+            planes_min_len = PLANES_MIN_LEN
+        self.planes_min_len = planes_min_len
+        """Shortest chunk that takes ``conv_planes`` (None: never; tests set it)."""
         self._step = PerStep()
         self._fused_gate: Callable | None = None  # fla's, looked up on the first CUDA call (not per layer)
         self._fla_conv_failed = False
@@ -222,14 +237,7 @@ class GPUKDABackend(KDABackend):
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch, planes: int
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         m = self._meta(batch, x.device)
-        w1 = weight.shape[1] - 1
-        for row0, off, slot, has_init, dst in m.conv_cks:  # before the kernel updates the windows in place
-            # the window after `off` tokens of this chunk: the last W-1 columns of [old window | x[:off]^T]
-            if off >= w1:
-                conv_cache[dst, :, :w1] = x[row0 + off - w1 : row0 + off].t()
-            else:
-                prev = conv_cache[slot, :, off:w1] if has_init else conv_cache.new_zeros(x.shape[1], w1 - off)
-                conv_cache[dst, :, :w1] = torch.cat([prev, x[row0 : row0 + off].t().to(conv_cache.dtype)], dim=-1)
+        self._conv_checkpoints(x, conv_cache, weight.shape[1] - 1, m)
         x = x if x.stride(1) == 1 else x.contiguous()  # the q|k|v column view runs as is: no copy
         if self._fla_conv_fits(x, batch, m):
             try:
@@ -244,6 +252,58 @@ class GPUKDABackend(KDABackend):
                 logger.warning("fla causal_conv1d failed (%s); prefill short conv uses the slot kernel", err)
         w = weight.contiguous()
         return short_conv_update(x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes)
+
+    @staticmethod
+    def _conv_checkpoints(x: torch.Tensor, conv_cache: torch.Tensor, w1: int, m: _KDAStep | KDADecodeStep) -> None:
+        """Rung windows, before a kernel updates the windows in place: the window after `off` tokens of a chunk
+        is the last W-1 columns of [old window | x[:off]^T]."""
+        for row0, off, slot, has_init, dst in getattr(m, "conv_cks", ()):
+            if off >= w1:
+                conv_cache[dst, :, :w1] = x[row0 + off - w1 : row0 + off].t()
+            else:
+                prev = conv_cache[slot, :, off:w1] if has_init else conv_cache.new_zeros(x.shape[1], w1 - off)
+                conv_cache[dst, :, :w1] = torch.cat([prev, x[row0 : row0 + off].t().to(conv_cache.dtype)], dim=-1)
+
+    def conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Long prefill steps: q | k | v conv with q and k L2-normed in one launch (kernels/short_conv/planes.py),
+        the recurrence told not to norm them again; other steps as the base class."""
+        t, h, hd = g.shape
+        m = self._meta(batch, qkv.device)
+        if not self._planes_fit(qkv, batch, m, hd):
+            return super().conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
+        self._conv_checkpoints(qkv, conv_cache, conv_weight.shape[1] - 1, m)
+        step = self._step.get(
+            batch,
+            "conv_fla",
+            lambda: conv_step(batch.state_slots, batch.query_start_loc, batch.has_initial_state, qkv.device),
+        )
+        weight = conv_weight.contiguous()
+        q, k, v = conv_planes(qkv, weight, conv_cache, step, planes=3, head_dim=hd, norm_planes=2)
+        write_windows(qkv, weight, conv_cache, step.slots, step.qsl, step.has_init)  # after the planes read them
+        q, k, v = (z.view(t, h, hd) for z in (q, k, v))
+        return self.recurrence(q, k, v, g, beta, state_cache, batch, qk_normalized=True)
+
+    def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep, head_dim: int) -> bool:
+        """Prefill-only steps with a long chunk (decode rows would be normed again by the recurrent kernel)."""
+        return (
+            self.planes_min_len is not None
+            and (x.is_cuda or is_interpreting())
+            and x.stride(1) == 1
+            and isinstance(m, _KDAStep)
+            and m.max_q_len >= self.planes_min_len
+            and m.dec_slots is None
+            and min(batch.state_slots, default=0) >= 0
+            and head_dim & (head_dim - 1) == 0
+        )
 
     def _fla_conv_fits(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep) -> bool:
         """Long prefill chunks on CUDA (not decode / verify: those stay one graph-safe launch)."""
@@ -265,8 +325,12 @@ class GPUKDABackend(KDABackend):
         beta: torch.Tensor,
         state_cache: torch.Tensor,
         batch: ForwardBatch,
+        qk_normalized: bool = False,
     ) -> torch.Tensor:
+        """``qk_normalized``: q and k come L2-normed (``conv_planes``); prefill chunks only."""
         m = self._meta(batch, q.device)
+        if qk_normalized and (not isinstance(m, _KDAStep) or m.dec_slots is not None):
+            raise ValueError("qk_normalized is for prefill-only steps: the decode kernel norms q and k itself")
         if m.fresh is not None:
             state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
         for slot, dst in m.pre_copies:
@@ -286,7 +350,8 @@ class GPUKDABackend(KDABackend):
                 state_cache[dst] = state_cache[slot]
         for rows, slots, cu, copies, needs_h in m.rounds:
             sel = (q, k, v, g, beta) if m.rows_are_all else (x[rows] for x in (q, k, v, g, beta))
-            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h)
+            norm = {"qk_normalized": True} if qk_normalized else {}
+            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h, **norm)
             state_cache[slots] = final.to(state_cache.dtype)
             for kind, index, dst in copies:
                 state_cache[dst] = (final if kind == "final" else h)[index].to(state_cache.dtype)

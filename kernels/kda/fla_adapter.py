@@ -56,6 +56,7 @@ def chunk_kda_varlen(
     initial_state: torch.Tensor | None,
     cu_seqlens: Sequence[int] | torch.Tensor | ChunkLayout,
     return_intermediate_states: bool = False,
+    qk_normalized: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked KDA over N sequences packed along T (CUDA only: fla's chunk kernels fail under the interpreter).
 
@@ -64,6 +65,7 @@ def chunk_kda_varlen(
         initial_state: [N, H, K, V] fp32, not modified; None: zeros (every sequence's first chunk).
         cu_seqlens: N+1 offsets, or their ``chunk_layout`` (built once per step: the KDA layers share it).
         return_intermediate_states: also return fla's chunk-boundary states.
+        qk_normalized: q and k are already L2-normed (kernels/short_conv/planes.py): no ``l2norm_fwd`` here.
     Returns:
         o [T, H, V] (v's dtype), final_state [N, H, K, V] fp32, and h [NT, H, K, V] **bf16** or None.
         h[c] is the state entering the c-th 64-token chunk (chunks counted over all sequences in order, each
@@ -94,8 +96,9 @@ def chunk_kda_varlen(
     if int(layout.cu_cpu[-1]) != q.shape[0]:
         raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[0]}, got {layout.cu_cpu.tolist()}")
     q_, k_, v_, g_, b_ = _flat(q, k, v, g.float(), beta)
-    q_, _ = l2norm_fwd(q_)
-    k_, _ = l2norm_fwd(k_)
+    if not qk_normalized:
+        q_, _ = l2norm_fwd(q_)
+        k_, _ = l2norm_fwd(k_)
     with torch.inference_mode():
         o, final, *_, h, _ = chunk_kda_fwd(
             q=q_,

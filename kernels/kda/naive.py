@@ -124,11 +124,13 @@ def naive_chunk_kda_varlen(
     initial_state: torch.Tensor,
     cu_seqlens,
     return_intermediate_states: bool = False,
+    qk_normalized: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``naive_chunk_kda`` with the signature and chunk-boundary-state convention of
     ``kernels.kda.fla_adapter.chunk_kda_varlen`` (packed [T, H, *] inputs, N sequences by ``cu_seqlens``).
     Returns o [T, H, V] fp32, final [N, H, K, V] fp32, and the state entering every 64-token chunk or None.
-    ``cu_seqlens``: N+1 offsets or a ``ChunkLayout`` (its host offsets are read)."""
+    ``cu_seqlens``: N+1 offsets or a ``ChunkLayout`` (its host offsets are read); ``qk_normalized``: q and k
+    come L2-normed, not normed again."""
     outs, finals, states = [], [], []
     bounds = [int(x) for x in getattr(cu_seqlens, "cu_cpu", cu_seqlens)]
     for i in range(len(bounds) - 1):
@@ -138,7 +140,7 @@ def naive_chunk_kda_varlen(
         for c0 in pieces:
             c1 = min(c0 + 64, b) if return_intermediate_states else b
             states.append(s[0])
-            o, s = naive_chunk_kda(*(x[None, c0:c1] for x in (q, k, v, g, beta)), s)
+            o, s = naive_chunk_kda(*(x[None, c0:c1] for x in (q, k, v, g, beta)), s, use_qk_l2norm=not qk_normalized)
             outs.append(o[0])
         finals.append(s[0])
     h = torch.stack(states) if return_intermediate_states else None

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend
 
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.mla_decode import mla_decode_fwd
-from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable
+from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable, mla_keys_values
 from kernels.paged_attention.triton import _check_varlen, attention_fwd
 from kernels.triton_utils import check_device
 from kernels.upload import upload
@@ -160,10 +160,10 @@ def mla_self_attention_sdpa(
     backend: SDPBackend = SDPBackend.CUDNN_ATTENTION,
 ) -> torch.Tensor:
     """The expanded form for sequences with no prefix (``latent`` holds exactly their rows, in query order),
-    through torch SDPA: keys ``k_nope | k_pe`` made whole ([T, H, nope + rope], k_pe repeated per head)."""
-    kv, k_pe = _expand_latent(latent, kv_b_weight, q.shape[1], kv_lora_rank, qk_nope_head_dim + v_head_dim)
-    k = torch.cat([kv[..., :qk_nope_head_dim], k_pe], dim=-1)
-    return causal_self_attention(q, k, kv[..., qk_nope_head_dim:], seq_lens, scale, backend)
+    through torch SDPA: keys ``k_nope | k_pe`` whole per head ([T, H, nope + rope]) straight out of one GEMM
+    (``sdpa_prefill.mla_keys_values``)."""
+    k, v = mla_keys_values(latent, kv_b_weight, q.shape[1], kv_lora_rank, qk_nope_head_dim, v_head_dim)
+    return causal_self_attention(q, k, v, seq_lens, scale, backend)
 
 
 def plan_mla(

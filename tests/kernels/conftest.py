@@ -37,6 +37,7 @@ TRITON_MODULES = (
     "kernels.page_copy.triton",
     "kernels.paged_attention.mla_decode",
     "kernels.paged_attention.triton",
+    "kernels.short_conv.planes",
     "kernels.short_conv.triton",
     "kernels.short_conv.fla_adapter",
     "kernels.state_copy.triton",

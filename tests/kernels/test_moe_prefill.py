@@ -41,7 +41,8 @@ def _ends(counts: list[int]) -> torch.Tensor:
         ([5, 0, 16, 17, 0, 1], 16),  # empty groups, a group of exactly one tile, one just past it
         ([0, 0, 0], 8),  # no rows at all: every slot unused
         ([100], 32),  # one expert, a ragged last tile
-        ([3] * 40, 64),  # more experts than the slot loop's block (32), each one short tile
+        ([3] * 40, 64),  # more experts than a program's slot block (32), each one short tile
+        ([1] * 70 + [200, 0, 9], 8),  # 105 slots over 4 programs; a long group's tiles cross a program's block
     ],
 )
 def test_tile_map_cuts_each_group_into_row_tiles_in_expert_order(counts, block_m):

@@ -4,6 +4,8 @@ backend), which launches take it, and on a GPU cuDNN's kernel against the Triton
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
@@ -18,6 +20,7 @@ from kernels.paged_attention.mla import (
     plan_mla,
 )
 from kernels.paged_attention.naive import causal_attention, paged_mla_attention
+from kernels.paged_attention.sdpa_prefill import KEYS_VALUES_WEIGHTS, mla_keys_values
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
 
 MATH = SDPBackend.MATH
@@ -152,3 +155,37 @@ def test_cudnn_matches_triton_at_kimi_head_sizes(monkeypatch):
     )
     assert_close("cudnn vs triton", via_triton, via_cudnn, 1e-2)
     assert_close("cudnn vs fp32 reference", ref, via_cudnn, 2e-2)
+
+
+def test_keys_values_come_whole_out_of_one_gemm():
+    """k_nope | k_pe | v per head from the stacked weight: k_pe exactly the latent's rope columns, k_nope and v
+    the kv_b GEMM's."""
+    h, rank, rope, nope, vd, t = 3, 40, 8, 16, 12, 37
+    g = torch.Generator().manual_seed(2)
+    latent = torch.randn(t, rank + rope, generator=g)
+    kv_b = torch.randn(h * (nope + vd), rank, generator=g)
+    k, v = mla_keys_values(latent, kv_b, h, rank, nope, vd)
+    assert k.shape == (t, h, nope + rope) and v.shape == (t, h, vd)
+    kv = (latent[:, :rank] @ kv_b.T).view(t, h, nope + vd)
+    assert torch.equal(k[..., nope:], latent[:, None, rank:].expand(t, h, rope))
+    assert_close("k_nope", kv[..., :nope], k[..., :nope], tol(torch.float32))
+    assert_close("v", kv[..., nope:], v, tol(torch.float32))
+
+
+def test_stacked_weight_follows_its_source():
+    """Built once per weight; rebuilt after an in-place change (a reload) or for another key; dropped with the
+    weight, so engines built and freed in one process do not keep their derived weights."""
+    h, rank, rope, nope, vd = 2, 8, 4, 4, 4
+    kv_b = torch.randn(h * (nope + vd), rank)
+    before = len(KEYS_VALUES_WEIGHTS)
+    latent = torch.randn(5, rank + rope)
+    k1, _ = mla_keys_values(latent, kv_b, h, rank, nope, vd)
+    w1 = KEYS_VALUES_WEIGHTS.get(kv_b, (h, rope, nope, vd, latent.dtype), lambda: pytest.fail("rebuilt"))
+    assert len(KEYS_VALUES_WEIGHTS) == before + 1
+    kv_b.mul_(2)  # in place: the version counter moves, the stale stacked weight must not be used
+    k2, _ = mla_keys_values(latent, kv_b, h, rank, nope, vd)
+    assert_close("k_nope doubled", 2 * k1[..., :nope], k2[..., :nope], tol(torch.float32))
+    assert KEYS_VALUES_WEIGHTS.get(kv_b, (h, rope, nope, vd, latent.dtype), lambda: None) is not w1
+    del kv_b, w1
+    gc.collect()
+    assert len(KEYS_VALUES_WEIGHTS) == before
