@@ -22,6 +22,8 @@
 #                                            # with the KDA cores eager between the pieces and inside them
 #   bash bench/gpu_session.sh prefill-cuts   # 1 x H200: MLA SDPA keys out of one GEMM, the tile map, the q|k|v conv
 #                                            # with q / k normed (sub-tile sweep), each against what it replaced
+#   bash bench/gpu_session.sh moe-tma        # 1 x H200: the MoE gate-up GEMM with the weights through TMA (3 / 4 stages,
+#                                            # with / without warp specialisation) vs the pointer kernel; its tests
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -42,7 +44,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -58,6 +60,8 @@ case "$step" in
     python -m bench.mid.gaps "$OUT"/rank_traces/*-trace.json.gz | tee "$OUT/rank_gaps.txt" ;;
   prefill-cuts) python -m bench.mla_sdpa_keys --out "$OUT/mla_sdpa_keys.json" "$@" | tee "$OUT/mla_sdpa_keys.txt"
     python -m bench.conv_planes | tee "$OUT/conv_planes.txt" ;;
+  moe-tma) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_prefill_tma.py | tee "$OUT/gpu_tests_moe_tma.txt"
+    python -m bench.moe_gate_up_tma --out "$OUT/moe_gate_up_tma.json" "$@" | tee "$OUT/moe_gate_up_tma.txt" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   mla-prefill) python -m bench.mla_prefill_sdpa --out "$OUT/mla_prefill_sdpa.json" "$@" ;;
   moe-decode) python -m bench.gpu_kernels_check --only moe | tee "$OUT/moe_check.txt"

@@ -33,6 +33,7 @@ TRITON_MODULES = (
     "kernels.moe.combine",
     "kernels.moe.decode",
     "kernels.moe.prefill",
+    "kernels.moe.prefill_tma",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
     "kernels.paged_attention.mla_decode",

@@ -1,0 +1,117 @@
+"""Experiment: the MoE gate-up GEMM of ``kernels/moe/prefill.py`` with the expert weights read through TMA.
+Contract: ``prefill.gate_up_fused`` (silu(x[token] @ w1[e]^T) * (x[token] @ w3[e]^T) per sorted row).
+
+Why: compiled for sm_90, the pointer kernel feeds Hopper's wgmma with ``cp.async`` for both operands and holds
+255 registers a thread at its 128 x 128 x 64 tile, 8 warps, 4 stages (192 KB of shared memory: one block an
+SM); the address arithmetic and the copies are issued by the same warps that run the MMAs. Here the weight
+tiles (two thirds of the operand bytes) come through tensor descriptors — the copy engine writes them to
+shared memory in the MMA's layout — and, optionally (``warp_specialize``), Triton splits the loop into a
+producer and consumer warps. The activation rows stay a pointer gather (rows by token: a TMA gather is
+Blackwell's). Not wired into the engine: ``python -m bench.moe_gate_up_tma`` times it against
+``gate_up_fused`` on the GPU; the engine takes whichever wins there.
+
+Weight tiles past a gate / up block's last column read the next rows of the [E*2I, H] view (or zeros past its
+end: TMA pads out-of-bounds boxes with zeros); those output columns are masked at the store, as in the
+pointer kernel. The same holds along H.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.moe.grouped import MoEAlign
+from kernels.moe.prefill import GemmTiles, TileMap, _fitted, _tiles_of
+from kernels.triton_utils import dot_config, mm
+
+
+@triton.jit
+def _gate_up_tma_kernel(
+    X,  # [T, H] activations
+    TOKEN,  # [N] int64 token of each sorted row
+    ENDS,  # [E] int32
+    TILE_E,
+    TILE_ROW,
+    W_DESC,  # descriptor over W13 viewed [E * 2I, H], boxes [BLOCK_N, BLOCK_K]
+    A,  # [N, I] out: silu(gate) * up, sorted rows
+    H,
+    INTER,
+    num_n,
+    stride_x,
+    stride_a,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    slot = pid // num_n
+    e = tl.load(TILE_E + slot)
+    if e < 0:
+        return
+    row0 = tl.load(TILE_ROW + slot)
+    end = tl.load(ENDS + e)
+    o_m = row0 + tl.arange(0, BLOCK_M)
+    m_m = o_m < end
+    tok = tl.load(TOKEN + o_m, mask=m_m, other=0)
+    n0 = (pid % num_n) * BLOCK_N
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    g_row = e * 2 * INTER + n0
+    o_k = tl.arange(0, BLOCK_K)
+    p_x = X + tok[:, None] * stride_x + o_k[None, :]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+        if EVEN_K:
+            x = tl.load(p_x + k0, mask=m_m[:, None], other=0.0)
+        else:
+            x = tl.load(p_x + k0, mask=m_m[:, None] & ((k0 + o_k) < H)[None, :], other=0.0)
+        g = W_DESC.load([g_row, k0])  # [BLOCK_N, BLOCK_K], K contiguous
+        u = W_DESC.load([g_row + INTER, k0])
+        acc_g += mm(x, g.T, DOT_F32, PREC)
+        acc_u += mm(x, u.T, DOT_F32, PREC)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    p_a = A + o_m[:, None].to(tl.int64) * stride_a + o_n[None, :]
+    tl.store(p_a, act.to(A.dtype.element_ty), mask=m_m[:, None] & (o_n < INTER)[None, :])
+
+
+def gate_up_tma(
+    x: torch.Tensor,
+    al: MoEAlign,
+    w13: torch.Tensor,
+    tiles: GemmTiles,
+    tmap: TileMap | None = None,
+    warp_specialize: bool = False,
+) -> torch.Tensor:
+    """``prefill.gate_up_fused`` with the weights through TMA: [N, I] in x's dtype. w13 [E, 2I, H] contiguous."""
+    e, i2, h = w13.shape
+    i = i2 // 2
+    n = al.token.numel()
+    a = torch.empty(n, i, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return a
+    if not w13.is_contiguous() or x.stride(1) != 1:
+        raise ValueError("gate_up_tma: w13 must be contiguous and x contiguous along H")
+    if (h * w13.element_size()) % 16:
+        raise ValueError(f"gate_up_tma: TMA needs 16-byte rows, H={h} of {w13.dtype} is not")
+    dot_f32, prec = dot_config(x.dtype)
+    tiles = _fitted(tiles, 2, x)
+    tm = _tiles_of(al, n, tiles.block_m, tmap)
+    num_n = triton.cdiv(i, tiles.block_n)
+    desc = TensorDescriptor.from_tensor(w13.view(e * i2, h), [tiles.block_n, tiles.block_k])
+    _gate_up_tma_kernel[(tm.tile_e.numel() * num_n,)](
+        x, al.token, tm.ends, tm.tile_e, tm.tile_row, desc, a, h, i, num_n, x.stride(0), a.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=h % tiles.block_k == 0,
+        DOT_F32=dot_f32, PREC=prec, NUM_STAGES=tiles.num_stages, WARP_SPECIALIZE=warp_specialize,
+        num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return a
+
+
+__all__ = ["gate_up_tma"]

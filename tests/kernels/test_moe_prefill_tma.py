@@ -1,0 +1,59 @@
+"""kernels/moe/prefill_tma.py (the gate-up GEMM with the weights through TMA descriptors) against the definition
+and the pointer kernel it would replace; on the CPU under the interpreter, which runs tensor descriptors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.moe.grouped import moe_align
+from kernels.moe.naive import sigmoid_topk_route
+from kernels.moe.prefill import GemmTiles, gate_up_fused
+from kernels.moe.prefill_tma import gate_up_tma
+from tests.kernels.helpers import DEVICE, assert_close, tol
+
+
+def _problem(t: int, e: int, k: int, h: int, i: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE)
+    _, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 1.0)
+    return x, w13, moe_align(ids, e)
+
+
+def _definition(x: torch.Tensor, w13: torch.Tensor, al) -> torch.Tensor:
+    i = w13.shape[1] // 2
+    rows = x[al.token]
+    counts = torch.diff(al.offsets, prepend=al.offsets.new_zeros(1))
+    expert = torch.repeat_interleave(torch.arange(w13.shape[0], device=x.device), counts)
+    w = w13[expert]  # [N, 2I, H]
+    h13 = torch.einsum("nh,nih->ni", rows, w)
+    return torch.nn.functional.silu(h13[:, :i]) * h13[:, i:]
+
+
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "ws"])
+@pytest.mark.parametrize(
+    ("t", "e", "k", "h", "i", "tiles"),
+    [
+        (37, 8, 2, 64, 48, GemmTiles(16, 32, 32, num_warps=4, num_stages=2)),  # a gate box runs into the up rows
+        (29, 16, 4, 96, 32, GemmTiles(16, 32, 64, num_warps=4, num_stages=2)),  # H not a multiple of BLOCK_K
+        (3, 16, 2, 64, 24, GemmTiles(16, 16, 32, num_warps=4, num_stages=3)),  # most experts empty; the last
+        # expert's up box runs past the [E*2I, H] view's end (zero padded)
+    ],
+)
+def test_tma_gate_up_matches_the_definition_and_the_pointer_kernel(t, e, k, h, i, tiles, warp_specialize):
+    x, w13, al = _problem(t, e, k, h, i, 5)
+    got = gate_up_tma(x, al, w13, tiles, warp_specialize=warp_specialize)
+    assert got.shape == (t * k, i)
+    assert_close("tma vs definition", _definition(x, w13, al), got, tol(torch.float32))
+    assert_close("tma vs pointer kernel", gate_up_fused(x, al, w13, tiles), got, tol(torch.float32))
+
+
+def test_tma_gate_up_rejects_what_tma_cannot_read():
+    x, w13, al = _problem(9, 4, 2, 64, 16, 1)
+    tiles = GemmTiles(16, 16, 32, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="contiguous"):
+        gate_up_tma(x, al, w13.transpose(1, 2).contiguous().transpose(1, 2), tiles)
+    x2, w2, al2 = _problem(9, 4, 2, 66, 16, 1)  # 66 bf16 columns: 132-byte rows, not 16-byte aligned
+    with pytest.raises(ValueError, match="16-byte"):
+        gate_up_tma(x2.bfloat16(), al2, w2.bfloat16(), tiles)
