@@ -1,7 +1,7 @@
-"""How the MoE gate-up kernels compile for the H200 (sm_90a), on a host without a GPU: Triton's ``compile`` with a
-CUDA target, then ptxas ``-v`` — registers a thread, spills, shared memory, and which copy / MMA instructions
-the PTX uses (``cp.async`` vs the TMA's ``cp.async.bulk.tensor``, ``wgmma``, ``setmaxnreg`` for warp
-specialisation).
+"""How the MoE gate-up and MLA decode kernels compile for the H200 (sm_90a), on a host without a GPU: Triton's
+``compile`` with a CUDA target, then ptxas ``-v`` — registers a thread, spills, shared memory, and which copy /
+MMA instructions the PTX uses (``cp.async`` vs the TMA's ``cp.async.bulk.tensor``, ``wgmma``, ``setmaxnreg``
+for warp specialisation).
 
     python -m bench.sm90_report
 
@@ -9,7 +9,10 @@ Triton's own ptxas is used (its ``ptxas-blackwell`` where present: the plain one
 The pointer kernel at the engine's tile: 255 registers, 192 KB of shared memory, operands by ``cp.async``; the
 TMA variant (kernels/moe/prefill_tma.py): 172 registers, the weights by ``cp.async.bulk.tensor`` — and
 ``warp_specialize`` left the PTX unchanged (Triton 3.9). These are compile facts, not timings:
-``python -m bench.moe_gate_up_tma`` on the GPU times them.
+``python -m bench.moe_gate_up_tma`` on the GPU times them. The MLA decode kernel (kernels/paged_attention/
+mla_decode.py) as the engine launches it (heads-major, 32-key tiles, 4 warps): no wgmma (its MMA's M is the 32
+heads), 255 registers and spills; at 16 warps 102 registers and none (in ``bench/mla_decode_sweep.py``'s grid
+since); keys-major reaches wgmma at 188 KB of shared memory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.moe import prefill, prefill_tma
+from kernels.paged_attention import mla_decode
 
 INSTRUCTIONS = ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.cg", "setmaxnreg")
 _COMMON = {"X": "*bf16", "TOKEN": "*i64", "ENDS": "*i32", "TILE_E": "*i32", "TILE_ROW": "*i32"}
@@ -94,12 +98,30 @@ def cases() -> dict[str, dict]:
                 8,
                 stages,
             )
+    out |= mla_cases()
+    return out
+
+
+def mla_cases() -> dict[str, dict]:
+    """Kimi's MLA decode (32 heads, rank 512, rope 64, pages of 16) in three launch forms."""
+    sig = {n: "*bf16" for n in ("QL", "QP", "LAT", "OUT")} | {"LSE": "*fp32", "BT": "*i32", "CTX": "*i32"}
+    strides = ("stride_ql_b", "stride_ql_h", "stride_qp_b", "stride_qp_h", "stride_lat_p", "stride_lat_s")
+    strides += ("stride_o_x", "stride_o_b", "stride_o_h", "stride_l_x", "stride_l_b", "stride_bt")
+    sig |= {"qk_scale": "fp32"} | {n: "i32" for n in (*strides, "split_len")}
+    dims = {"H": 32, "PAGE_SIZE": 16, "R": 512, "P": 64, "BLOCK_H": 32, "BLOCK_R": 512, "BLOCK_P": 64}
+    out = {}
+    for keys_major, block_n, warps in ((False, 32, 4), (False, 32, 16), (True, 64, 8)):
+        ce = dims | {"BLOCK_N": block_n, "KEYS_MAJOR": keys_major, "SPLIT": True, "DOT_F32": False, "PREC": "tf32"}
+        form = "keys-major" if keys_major else "heads-major"
+        out[f"MLA decode {form}, {block_n}-key tiles, {warps} warps"] = report(
+            mla_decode._mla_decode_kernel, dict(sig), ce, (*list(sig)[:7], *strides), warps, 2
+        )
     return out
 
 
 def main() -> int:
     rows = cases()
-    print(f"Triton {triton.__version__}, sm_90a, 128 x 128 x 64 tiles, 8 warps\n")
+    print(f"Triton {triton.__version__}, sm_90a; gate-up: 128 x 128 x 64 tiles, 8 warps\n")
     print("| kernel | registers | spill stores (B) | shared (KB) | " + " | ".join(INSTRUCTIONS) + " |")
     print("|---" * (4 + len(INSTRUCTIONS)) + "|")
     for name, r in rows.items():
