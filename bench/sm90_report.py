@@ -6,13 +6,15 @@ for warp specialisation).
     python -m bench.sm90_report
 
 Triton's own ptxas is used (its ``ptxas-blackwell`` where present: the plain one may predate sm_90a's PTX).
-The pointer kernel at the engine's tile: 255 registers, 192 KB of shared memory, operands by ``cp.async``; the
-TMA variant (kernels/moe/prefill_tma.py): 172 registers, the weights by ``cp.async.bulk.tensor`` — and
-``warp_specialize`` left the PTX unchanged (Triton 3.9). These are compile facts, not timings:
-``python -m bench.moe_gate_up_tma`` on the GPU times them. The MLA decode kernel (kernels/paged_attention/
-mla_decode.py) as the engine launches it (heads-major, 32-key tiles, 4 warps): no wgmma (its MMA's M is the 32
-heads), 255 registers and spills; at 16 warps 102 registers and none (in ``bench/mla_decode_sweep.py``'s grid
-since); keys-major reaches wgmma at 188 KB of shared memory.
+Compile facts, not timings (``python -m bench.moe_gate_up_tma`` and ``bench/mla_decode_sweep.py`` time them
+on the GPU). What it showed with Triton 3.9 (docs/PERFORMANCE.md, sixteenth session):
+
+- gate-up, the engine's pointer kernel: 255 registers, 192 KB of shared memory, operands by ``cp.async``; the
+  TMA variant (kernels/moe/prefill_tma.py): 172 registers, the weights by ``cp.async.bulk.tensor``;
+  ``warp_specialize`` left the PTX unchanged (also with both operands through TMA).
+- MLA decode as the engine launches it (heads-major, 32-key tiles, 4 warps): no wgmma (the MMA's M is the 32
+  heads), 255 registers and spills; at 16 warps 102 registers and none; keys-major reaches wgmma at 184 KB of
+  shared memory.
 """
 
 from __future__ import annotations
