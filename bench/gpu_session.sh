@@ -24,6 +24,8 @@
 #                                            # with q / k normed (sub-tile sweep), each against what it replaced
 #   bash bench/gpu_session.sh moe-tma        # 1 x H200: the MoE gate-up GEMM with the weights through TMA (3 / 4 stages,
 #                                            # with / without warp specialisation) vs the pointer kernel; its tests
+#   bash bench/gpu_session.sh kda-gate-ab    # 1 x H200: the KDA gate inside fla's chunk cumsum (TANDEM_KDA_GATE_IN_CHUNK)
+#                                            # tests on the GPU, then prefill 8k / 32k without and with it
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -44,7 +46,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|kda-gate-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -62,6 +64,10 @@ case "$step" in
     python -m bench.conv_planes | tee "$OUT/conv_planes.txt" ;;
   moe-tma) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_prefill_tma.py | tee "$OUT/gpu_tests_moe_tma.txt"
     python -m bench.moe_gate_up_tma --out "$OUT/moe_gate_up_tma.json" "$@" | tee "$OUT/moe_gate_up_tma.txt" ;;
+  kda-gate-ab) python -m pytest -q -p no:cacheprovider tests/kernels/test_short_conv_planes.py -k "gated or engine_tokens" \
+      | tee "$OUT/gpu_tests_kda_gate.txt"
+    for v in 0 1; do TANDEM_KDA_GATE_IN_CHUNK=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 1024 \
+      --batches 1 --decode-steps 2 --repeat 3 --out "$OUT/mid_kda_gate_$v.json" "$@"; done ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   mla-prefill) python -m bench.mla_prefill_sdpa --out "$OUT/mla_prefill_sdpa.json" "$@" ;;
   moe-decode) python -m bench.gpu_kernels_check --only moe | tee "$OUT/moe_check.txt"

@@ -90,6 +90,23 @@ class KDABackend(ABC):
         q, k, v = (z.reshape(t, h, hd) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
         return self.recurrence(q, k, v, g, beta, state_cache, batch)
 
+    def gated_conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g_raw: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """``gate`` of the raw gate projection g_raw [T, H*K], then ``conv_recurrence``: the KDA layer's call, so
+        a backend may apply the gate inside its recurrence instead (the GPU backend's ``gate_in_chunk``)."""
+        g = self.gate(g_raw, a_log, dt_bias, g_raw.shape[-1] // beta.shape[-1])
+        return self.conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
+
     @abstractmethod
     def recurrence(
         self,

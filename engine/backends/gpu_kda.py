@@ -41,6 +41,11 @@ PLANES_MIN_LEN = FLA_CONV_MIN_LEN
 2 warps, 248 vs 284 us a layer at 8k tokens, 959 vs 1,056 us at 32k (docs/PERFORMANCE.md, sixteenth session).
 ``TANDEM_KDA_CONV_PLANES=0`` keeps fla's conv + norms (A/B runs)."""
 CONV_PLANES = os.environ.get("TANDEM_KDA_CONV_PLANES", "1").strip() != "0"
+GATE_IN_CHUNK = os.environ.get("TANDEM_KDA_GATE_IN_CHUNK", "0").strip() == "1"
+"""Prefill-only steps hand chunk_kda the raw gate projection and let fla apply the gate inside its chunk cumsum
+(one pass over [T, H, K] fp32 instead of fla's gate kernel, then the cumsum: 0.38 + 0.41 ms at 8k tokens, 6
+layers). Opt-in until timed on the GPU (``bench/gpu_mid.py`` with and without it): fla's fused path cannot
+run under the interpreter, so the host tests check the wiring with the reference chunk function only."""
 
 
 class _Round:
@@ -167,10 +172,16 @@ class GPUKDABackend(KDABackend):
     """
 
     def __init__(
-        self, chunk_fn: ChunkFn | None = None, exact_checkpoints: bool = False, planes_min_len: int | None = None
+        self,
+        chunk_fn: ChunkFn | None = None,
+        exact_checkpoints: bool = False,
+        planes_min_len: int | None = None,
+        gate_in_chunk: bool | None = None,
     ) -> None:
         self.chunk_fn = chunk_fn or chunk_kda_varlen
         self.exact_checkpoints = exact_checkpoints
+        self.gate_in_chunk = GATE_IN_CHUNK if gate_in_chunk is None else gate_in_chunk
+        """Prefill-only steps: the gate applied inside chunk_fn (``GATE_IN_CHUNK``)."""
         if planes_min_len is None and CONV_PLANES:
             planes_min_len = PLANES_MIN_LEN
         self.planes_min_len = planes_min_len
@@ -283,10 +294,24 @@ class GPUKDABackend(KDABackend):
     ) -> torch.Tensor:
         """Long prefill steps: q | k | v conv with q and k L2-normed in one launch (kernels/short_conv/planes.py),
         the recurrence told not to norm them again; other steps as the base class."""
+        m = self._meta(batch, qkv.device)
+        if not self._planes_fit(qkv, batch, m, g.shape[-1]):
+            return super().conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
+        return self._planes_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
+
+    def _planes_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+        gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         t, h, hd = g.shape
         m = self._meta(batch, qkv.device)
-        if not self._planes_fit(qkv, batch, m, hd):
-            return super().conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
         self._conv_checkpoints(qkv, conv_cache, conv_weight.shape[1] - 1, m)
         step = self._step.get(
             batch,
@@ -297,7 +322,33 @@ class GPUKDABackend(KDABackend):
         q, k, v = conv_planes(qkv, weight, conv_cache, step, planes=3, head_dim=hd, norm_planes=2)
         write_windows(qkv, weight, conv_cache, step.slots, step.qsl, step.has_init)  # after the planes read them
         q, k, v = (z.view(t, h, hd) for z in (q, k, v))
-        return self.recurrence(q, k, v, g, beta, state_cache, batch, qk_normalized=True)
+        return self.recurrence(q, k, v, g, beta, state_cache, batch, qk_normalized=True, gate=gate)
+
+    def gated_conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g_raw: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """With ``gate_in_chunk``, prefill-only steps pass the raw gate to chunk_fn; other steps as the base."""
+        m = self._meta(batch, qkv.device)
+        if not self.gate_in_chunk or not isinstance(m, _KDAStep) or m.dec_slots is not None:
+            return super().gated_conv_recurrence(
+                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, batch
+            )
+        t, h = beta.shape
+        g = g_raw.view(t, h, -1)  # raw: chunk_fn applies the gate
+        gate = (a_log, dt_bias)
+        if self._planes_fit(qkv, batch, m, g.shape[-1]):
+            return self._planes_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch, gate)
+        q, k, v = (z.reshape(g.shape) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
+        return self.recurrence(q, k, v, g, beta, state_cache, batch, gate=gate)
 
     def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep, head_dim: int) -> bool:
         """Prefill-only steps with a long chunk (decode rows would be normed again by the recurrent kernel)."""
@@ -333,11 +384,13 @@ class GPUKDABackend(KDABackend):
         state_cache: torch.Tensor,
         batch: ForwardBatch,
         qk_normalized: bool = False,
+        gate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``qk_normalized``: q and k come L2-normed (``conv_planes``); prefill chunks only."""
+        """``qk_normalized``: q and k come L2-normed (``conv_planes``); ``gate`` (A_log, dt_bias): g is the raw gate
+        projection, applied inside chunk_fn. Both for prefill-only steps (the decode kernel takes neither)."""
         m = self._meta(batch, q.device)
-        if qk_normalized and (not isinstance(m, _KDAStep) or m.dec_slots is not None):
-            raise ValueError("qk_normalized is for prefill-only steps: the decode kernel norms q and k itself")
+        if (qk_normalized or gate is not None) and (not isinstance(m, _KDAStep) or m.dec_slots is not None):
+            raise ValueError("qk_normalized / a raw gate are for prefill-only steps: the decode kernel takes neither")
         if m.fresh is not None:
             state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
         for slot, dst in m.pre_copies:
@@ -357,8 +410,8 @@ class GPUKDABackend(KDABackend):
                 state_cache[dst] = state_cache[slot]
         for rows, slots, cu, copies, needs_h in m.rounds:
             sel = (q, k, v, g, beta) if m.rows_are_all else (x[rows] for x in (q, k, v, g, beta))
-            norm = {"qk_normalized": True} if qk_normalized else {}
-            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h, **norm)
+            extra = ({"qk_normalized": True} if qk_normalized else {}) | ({"gate": gate} if gate is not None else {})
+            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h, **extra)
             state_cache[slots] = final.to(state_cache.dtype)
             for kind, index, dst in copies:
                 state_cache[dst] = (final if kind == "final" else h)[index].to(state_cache.dtype)

@@ -73,10 +73,13 @@ class KimiDeltaAttention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
             f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
-        g = be.kda.gate(self.f_b_proj(f_a), self.A_log, self.dt_bias, hd)  # [T, H, K] fp32
         beta = torch.sigmoid(b)  # [T, H]
         conv, state = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
-        o = be.kda.conv_recurrence(qkv, conv, self.conv_weight(), g, beta, state, batch).to(x.dtype)
+        g_raw = self.f_b_proj(f_a)  # [T, H*K]: the gate (log-space decay) is applied by the backend
+        o = be.kda.gated_conv_recurrence(
+            qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, beta, state, batch
+        )
+        o = o.to(x.dtype)
         gate = self.g_b_proj(g_a).view(t, h, hd)
         return self.o_proj(self.o_norm(o, gate, be).reshape(t, h * hd))
 

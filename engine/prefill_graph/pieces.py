@@ -233,6 +233,30 @@ class SplitKDA(KDABackend):
             (qkv, g, beta),
         )
 
+    def gated_conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g_raw: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        beta: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        inner = self.inner
+        if not getattr(inner, "gate_in_chunk", False):  # the gate (row-wise) in the piece, the core as before
+            return super().gated_conv_recurrence(
+                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, batch
+            )
+        return self._core(
+            lambda b, qkv, g_raw, beta: inner.gated_conv_recurrence(
+                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, b
+            ),
+            (qkv, g_raw, beta),
+        )
+
     def recurrence(
         self,
         q: torch.Tensor,

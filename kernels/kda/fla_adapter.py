@@ -57,6 +57,7 @@ def chunk_kda_varlen(
     cu_seqlens: Sequence[int] | torch.Tensor | ChunkLayout,
     return_intermediate_states: bool = False,
     qk_normalized: bool = False,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked KDA over N sequences packed along T (CUDA only: fla's chunk kernels fail under the interpreter).
 
@@ -66,6 +67,9 @@ def chunk_kda_varlen(
         cu_seqlens: N+1 offsets, or their ``chunk_layout`` (built once per step: the KDA layers share it).
         return_intermediate_states: also return fla's chunk-boundary states.
         qk_normalized: q and k are already L2-normed (kernels/short_conv/planes.py): no ``l2norm_fwd`` here.
+        gate: (A_log [H], dt_bias [H*K]): g is the raw gate projection [T, H, K], and fla applies the gate
+            (``kernels.kda.naive.kda_gate``) inside its chunk cumsum kernel (``use_gate_in_kernel``): one pass
+            over [T, H, K] instead of a gate kernel then the cumsum.
     Returns:
         o [T, H, V] (v's dtype), final_state [N, H, K, V] fp32, and h [NT, H, K, V] **bf16** or None.
         h[c] is the state entering the c-th 64-token chunk (chunks counted over all sequences in order, each
@@ -95,7 +99,8 @@ def chunk_kda_varlen(
         initial_state = initial_state.contiguous()
     if int(layout.cu_cpu[-1]) != q.shape[0]:
         raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[0]}, got {layout.cu_cpu.tolist()}")
-    q_, k_, v_, g_, b_ = _flat(q, k, v, g.float(), beta)
+    q_, k_, v_, g_, b_ = _flat(q, k, v, g if gate is not None else g.float(), beta)
+    fused_gate = {} if gate is None else {"use_gate_in_kernel": True, "A_log": gate[0].reshape(-1), "dt_bias": gate[1]}
     if not qk_normalized:
         q_, _ = l2norm_fwd(q_)
         k_, _ = l2norm_fwd(k_)
@@ -115,6 +120,7 @@ def chunk_kda_varlen(
             chunk_offsets=layout.chunk_offsets,
             chunk_size=KDA_CHUNK,
             return_intermediate_states=return_intermediate_states,
+            **fused_gate,
         )
     o = o[0].to(v.dtype)
     if return_intermediate_states:

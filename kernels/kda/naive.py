@@ -125,12 +125,16 @@ def naive_chunk_kda_varlen(
     cu_seqlens,
     return_intermediate_states: bool = False,
     qk_normalized: bool = False,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``naive_chunk_kda`` with the signature and chunk-boundary-state convention of
     ``kernels.kda.fla_adapter.chunk_kda_varlen`` (packed [T, H, *] inputs, N sequences by ``cu_seqlens``).
     Returns o [T, H, V] fp32, final [N, H, K, V] fp32, and the state entering every 64-token chunk or None.
     ``cu_seqlens``: N+1 offsets or a ``ChunkLayout`` (its host offsets are read); ``qk_normalized``: q and k
-    come L2-normed, not normed again."""
+    come L2-normed, not normed again; ``gate`` (A_log, dt_bias): g is the raw gate projection [T, H, K], gated
+    here first (``kda_gate``)."""
+    if gate is not None:
+        g = kda_gate(g.flatten(-2), gate[0], gate[1], g.shape[-1])
     outs, finals, states = [], [], []
     bounds = [int(x) for x in getattr(cu_seqlens, "cu_cpu", cu_seqlens)]
     for i in range(len(bounds) - 1):

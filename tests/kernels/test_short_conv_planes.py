@@ -173,10 +173,12 @@ def test_steps_with_decode_rows_or_short_chunks_keep_the_separate_norms(monkeypa
 
 
 @pytest.mark.usefixtures("fla_unblocked")
-def test_engine_tokens_through_the_planes_match_the_reference(tiny_models, monkeypatch):
+@pytest.mark.parametrize("gate_in_chunk", [False, True], ids=["gate_kernel", "gate_in_chunk"])
+def test_engine_tokens_through_the_planes_match_the_reference(tiny_models, monkeypatch, gate_in_chunk):
     """The tiny Kimi on the GPU backends (fp32; on CUDA the engine runs there) with the planes bound at 16
     tokens: a 300-token prompt in 128-token chunks (continued chunks read their windows from the slots) and
-    three prompts in one step; greedy tokens == the CPU reference backends'."""
+    three prompts in one step; greedy tokens == the CPU reference backends'. With ``gate_in_chunk`` the
+    prefill-only steps hand the chunk function the raw gate (fla's fused gate + cumsum on CUDA)."""
     import engine.backends.gpu_kda as gpu_kda
     from engine.backends import Backends
     from engine.backends.gpu import GPUAttentionBackend, GPUKDABackend, GPUMoEBackend
@@ -184,17 +186,73 @@ def test_engine_tokens_through_the_planes_match_the_reference(tiny_models, monke
     from kernels.kda.naive import naive_chunk_kda_varlen
     from tests.conftest import make_engine, random_prompts
 
-    ran = []
+    ran, raw_gates = [], []
     monkeypatch.setattr(gpu_kda, "conv_planes", lambda *a, **kw: ran.append(1) or conv_planes(*a, **kw))
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    chunk_fn = None if DEVICE.type == "cuda" else naive_chunk_kda_varlen
+    inner_chunk = gpu_kda.chunk_kda_varlen if DEVICE.type == "cuda" else naive_chunk_kda_varlen
+
+    def chunk_fn(*a, **kw):
+        raw_gates.append("gate" in kw)
+        return inner_chunk(*a, **kw)
+
     kw = dict(device="cuda", dtype="float32") if DEVICE.type == "cuda" else {}
     for lens, budget in (([300], 128), ([70, 9, 130], 256)):
         prompts = random_prompts(len(lens), lens, seed=8)
         ref = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=budget)
         eng = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=budget, **kw)
-        kda = GPUKDABackend(chunk_fn=chunk_fn, planes_min_len=16)
+        kda = GPUKDABackend(chunk_fn=chunk_fn, planes_min_len=16, gate_in_chunk=gate_in_chunk)
         eng.model.backends = Backends(GPUAttentionBackend(), kda, GPUMoEBackend())
         expected = [o.output_token_ids for o in ref.generate(prompts, params)]
         assert [o.output_token_ids for o in eng.generate(prompts, params)] == expected, lens
     assert ran  # the path under test ran
+    assert raw_gates and all(raw_gates) == any(raw_gates) == gate_in_chunk  # every chunk call (decode: no chunk call)
+
+
+GATED_SCENARIOS = {
+    "prefill, planes": dict(q_lens=[150, 40, 64], ctx=[170, 40, 128], planes=True),
+    "prefill, short chunks": dict(q_lens=[12, 9], ctx=[12, 30], planes=False),
+    "mixed: decode rows keep the gate kernel": dict(q_lens=[150, 1, 1], ctx=[170, 9, 33], planes=True),
+}
+
+
+@pytest.mark.usefixtures("fla_unblocked")
+@pytest.mark.parametrize("scenario", list(GATED_SCENARIOS))
+def test_gated_conv_recurrence_with_the_gate_in_the_chunk_matches_the_reference(scenario):
+    """GPUKDABackend(gate_in_chunk=True).gated_conv_recurrence: prefill-only steps hand the chunk function the raw
+    gate projection (with and without the planes), steps with decode rows gate first; o, windows and states as
+    TorchKDABackend's (which gates, then runs the recurrence)."""
+    from engine.backends.gpu import GPUKDABackend
+    from engine.backends.torch_ref import TorchKDABackend
+    from kernels.kda.naive import naive_chunk_kda_varlen
+    from tests.kernels.test_gpu_backend import make_batch
+
+    sc = GATED_SCENARIOS[scenario]
+    raw = []
+    inner = None if DEVICE.type == "cuda" else naive_chunk_kda_varlen
+
+    def chunk_fn(*a, **kw):
+        raw.append("gate" in kw)
+        from engine.backends.gpu_kda import chunk_kda_varlen
+
+        return (inner or chunk_kda_varlen)(*a, **kw)
+
+    batch = make_batch(sc["q_lens"], sc["ctx"], 16, 64)
+    h, kd, w = 2, 16, 4
+    gen = torch.Generator().manual_seed(4)
+    conv = torch.randn(24, 3 * h * kd, w - 1, generator=gen).to(DEVICE)
+    rec = (torch.randn(24, h, kd, kd, generator=gen) * 0.1).to(DEVICE)
+    weight = torch.randn(3 * h * kd, w, generator=gen).to(DEVICE)
+    x = torch.randn(batch.num_tokens, 3 * h * kd + 8, generator=gen).to(DEVICE)[:, 4:-4]
+    g_raw = torch.randn(batch.num_tokens, h * kd, generator=gen).to(DEVICE)
+    a_log, dt_bias = (torch.randn(h, generator=gen) * 0.5).to(DEVICE), torch.randn(h * kd, generator=gen).to(DEVICE)
+    beta = torch.rand(batch.num_tokens, h, generator=gen).to(DEVICE)
+    gpu = GPUKDABackend(chunk_fn=chunk_fn, planes_min_len=16 if sc["planes"] else None, gate_in_chunk=True)
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    o_ref = TorchKDABackend().gated_conv_recurrence(x, conv_ref, weight, g_raw, a_log, dt_bias, beta, rec_ref, batch)
+    o = gpu.gated_conv_recurrence(x, conv, weight, g_raw, a_log, dt_bias, beta, rec, batch)
+    ratio = 1e-5 if DEVICE.type != "cuda" else 5e-3  # fla's chunk kernels use TF32 dots on the GPU
+    assert_close("o", o_ref, o, ratio)
+    assert_close("windows", conv_ref, conv, 1e-6)
+    assert_close("states", rec_ref, rec, ratio)
+    mixed = 1 in sc["q_lens"]
+    assert raw and all(raw) != mixed  # prefill-only: the raw gate went in; mixed: gated before the chunk call
