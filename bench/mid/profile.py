@@ -27,7 +27,7 @@ GROUPS = ("attention", "KDA", "MoE", "GEMM")
 PREFIX = "tandem."
 _METHODS = {
     "attention": ("write_kv", "gqa", "mla"),
-    "KDA": ("short_conv", "short_conv_qkv", "conv_recurrence", "recurrence"),
+    "KDA": ("short_conv", "short_conv_qkv", "gated_conv_recurrence", "conv_recurrence", "recurrence"),
     "MoE": ("route", "experts"),
 }
 
