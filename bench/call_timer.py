@@ -23,15 +23,20 @@ def timed_calls(targets: Iterable[tuple[Any, str, str]]) -> Iterator[CallTimes]:
     """Times ``obj.name`` under ``key`` for each (obj, name, key) while the block runs."""
     times = CallTimes()
     restore: list[tuple[Any, str, Any]] = []
+    depth: dict[str, int] = {}  # a call under the same key inside another (a wrapper calling the method it wraps)
+    # is not counted twice: only the outermost call's time goes to the key
 
     def wrap(fn: Any, key: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             times.first_start.setdefault(key, t0)
+            depth[key] = depth.get(key, 0) + 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                times.spent[key] += time.perf_counter() - t0
+                depth[key] -= 1
+                if not depth[key]:
+                    times.spent[key] += time.perf_counter() - t0
 
         return call
 

@@ -77,7 +77,7 @@ def _held_host_seconds(eng: LLMEngine, ids: list[int], one: SamplingParams) -> t
 # Backend calls a piecewise CUDA graph leaves outside its pieces (their launch grids follow the step's sequence
 # layout), and the MoE, which a piece holds: their host time in a held step.
 _GROUPS = {
-    "kda_core": ("kda", ("conv_recurrence",)),
+    "kda_core": ("kda", ("gated_conv_recurrence", "conv_recurrence")),  # nested calls count once
     "attention_core": ("attention", ("write_kv", "mla", "gqa")),
     "moe": ("moe", ("route", "experts")),
 }
