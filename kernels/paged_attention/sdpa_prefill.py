@@ -55,11 +55,18 @@ def causal_self_attention(
     """q / k [T, H, Dqk], v [T, H, Dv] of sequences laid end to end (``seq_lens`` rows each, every row a query
     and a key of its own sequence at consecutive positions) -> [T, H, Dv], each row attending to its
     sequence's rows up to itself. One SDPA call per sequence (prefill batches here are a few long prompts).
-    ``backend``: tests on the CPU pass the math backend."""
+    One sequence: SDPA's output as a [T, H, Dv] view (not contiguous: the caller's copy into its own buffer
+    is the only one). ``backend``: tests on the CPU pass the math backend."""
     if not (q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[2] == k.shape[2]):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, H, D] alike")
     if sum(seq_lens) != q.shape[0] or min(seq_lens, default=1) < 1:
         raise ValueError(f"seq_lens {list(seq_lens)} must be positive and add up to the {q.shape[0]} rows")
+    if len(seq_lens) == 1:
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale
+            )
+        return o[0].transpose(0, 1)
     out = v.new_empty(v.shape)
     start = 0
     with sdpa_kernel(backend):
