@@ -337,8 +337,8 @@ class GPUKDABackend(KDABackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """With ``gate_in_chunk``, prefill-only steps pass the raw gate to chunk_fn; other steps as the base."""
-        m = self._meta(batch, qkv.device)
-        if not self.gate_in_chunk or not isinstance(m, _KDAStep) or m.dec_slots is not None:
+        m = self._meta(batch, qkv.device) if self.gate_in_chunk else None
+        if not isinstance(m, _KDAStep) or m.dec_slots is not None:  # off (the default), or decode rows
             return super().gated_conv_recurrence(
                 qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, batch
             )

@@ -102,6 +102,15 @@ class KimiMLAAttention(nn.Module):
         )
         self.o_proj = nn.Linear(self.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
 
+    def pack_weights(self) -> None:
+        """The cuDNN prefill path's stacked kv_b weight (keys whole out of one GEMM: kernels/paged_attention/
+        sdpa_prefill.py), built here where it will be used, so the cache is sized after it exists."""
+        from kernels.paged_attention.sdpa_prefill import cudnn_self_attention_usable, keys_values_weight
+
+        w, d = self.kv_b_proj.weight, self.dims
+        if cudnn_self_attention_usable(w.dtype, w.device, d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim):
+            keys_values_weight(w, self.num_heads, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim, w.dtype)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, -1)

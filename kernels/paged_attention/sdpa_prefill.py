@@ -127,16 +127,24 @@ class _WeightCache:
 KEYS_VALUES_WEIGHTS = _WeightCache()
 
 
+def keys_values_weight(
+    kv_b_weight: torch.Tensor, num_heads: int, rope: int, nope: int, v_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``build_keys_values_weight`` in ``dtype``, once per kv_b weight (``KEYS_VALUES_WEIGHTS``). The model's
+    ``pack_weights`` calls it before the cache is sized from free memory, so the stacked weight is counted."""
+    return KEYS_VALUES_WEIGHTS.get(
+        kv_b_weight,
+        (num_heads, rope, nope, v_dim, dtype),
+        lambda: build_keys_values_weight(kv_b_weight, num_heads, rope, nope, v_dim).to(dtype),
+    )
+
+
 def mla_keys_values(
     latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, kv_lora_rank: int, nope: int, v_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Latent rows [T, R+rope] -> (keys [T, H, nope+rope], values [T, H, v]): views of one GEMM's output."""
     rope = latent.shape[1] - kv_lora_rank
-    w = KEYS_VALUES_WEIGHTS.get(
-        kv_b_weight,
-        (num_heads, rope, nope, v_dim, latent.dtype),
-        lambda: build_keys_values_weight(kv_b_weight, num_heads, rope, nope, v_dim).to(latent.dtype),
-    )
+    w = keys_values_weight(kv_b_weight, num_heads, rope, nope, v_dim, latent.dtype)
     kv = F.linear(latent, w).view(latent.shape[0], num_heads, nope + rope + v_dim)
     return kv[..., : nope + rope], kv[..., nope + rope :]
 
@@ -147,5 +155,6 @@ __all__ = [
     "build_keys_values_weight",
     "causal_self_attention",
     "cudnn_self_attention_usable",
+    "keys_values_weight",
     "mla_keys_values",
 ]

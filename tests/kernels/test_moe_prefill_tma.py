@@ -7,17 +7,14 @@ import pytest
 import torch
 
 from kernels.moe.grouped import moe_align
-from kernels.moe.naive import sigmoid_topk_route
 from kernels.moe.prefill import GemmTiles, gate_up_fused
 from kernels.moe.prefill_tma import gate_up_tma
-from tests.kernels.helpers import DEVICE, assert_close, tol
+from tests.kernels.helpers import assert_close, tol
+from tests.kernels.test_moe_prefill import _problem as moe_problem
 
 
 def _problem(t: int, e: int, k: int, h: int, i: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE)
-    _, ids = sigmoid_topk_route(torch.randn(t, e, generator=g).to(DEVICE), None, k, True, 1.0)
+    x, w13, _, _, ids = moe_problem(t, e, k, h, i, seed)  # the pointer kernel's tests' problems
     return x, w13, moe_align(ids, e)
 
 

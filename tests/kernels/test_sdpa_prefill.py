@@ -189,3 +189,24 @@ def test_stacked_weight_follows_its_source():
     del kv_b, w1
     gc.collect()
     assert len(KEYS_VALUES_WEIGHTS) == before
+
+
+def test_pack_weights_builds_the_stacked_weight_before_the_cache_is_sized(tiny_models, monkeypatch):
+    """KimiMLAAttention.pack_weights (the engine packs before sizing the cache from free memory) builds each MLA
+    layer's stacked weight where the cuDNN path will run; the forward then reuses it, built from that layer's
+    kv_b weight."""
+    from engine.models.kimi_linear import KimiMLAAttention
+    from kernels.paged_attention.sdpa_prefill import build_keys_values_weight, keys_values_weight
+    from tests.conftest import make_engine
+
+    eng = make_engine(tiny_models["kimi_linear"])
+    layers = [m for m in eng.model.modules() if isinstance(m, KimiMLAAttention)]
+    assert layers
+    monkeypatch.setattr(sp, "cudnn_self_attention_usable", lambda *a: True)
+    eng.model.pack_weights()
+    for m in layers:
+        w, d = m.kv_b_proj.weight, m.dims
+        dims = (m.num_heads, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim)
+        got = KEYS_VALUES_WEIGHTS.get(w, (*dims, w.dtype), lambda: pytest.fail("not built by pack_weights"))
+        assert torch.equal(got, build_keys_values_weight(w, *dims))
+        assert keys_values_weight(w, *dims, w.dtype) is got
