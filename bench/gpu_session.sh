@@ -22,8 +22,8 @@
 #                                            # with the KDA cores eager between the pieces and inside them
 #   bash bench/gpu_session.sh prefill-cuts   # 1 x H200: MLA SDPA keys out of one GEMM, the tile map, the q|k|v conv
 #                                            # with q / k normed (sub-tile sweep), each against what it replaced
-#   bash bench/gpu_session.sh moe-tma        # 1 x H200: the MoE gate-up GEMM with the weights through TMA (3 / 4 stages,
-#                                            # with / without warp specialisation) vs the pointer kernel; its tests
+#   bash bench/gpu_session.sh moe-tma        # 1 x H200: the MoE gate-up GEMM with the weights through TMA (3 / 4 stages)
+#                                            # vs the pointer kernel; its tests
 #   bash bench/gpu_session.sh kda-gate-ab    # 1 x H200: the KDA gate inside fla's chunk cumsum (TANDEM_KDA_GATE_IN_CHUNK)
 #                                            # tests on the GPU, then prefill 8k / 32k without and with it
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d

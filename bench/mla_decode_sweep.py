@@ -122,8 +122,9 @@ def sweep(
     for block_h, keys_major, block_n, warps, stages, split_mult in itertools.product(
         block_hs, (False, True), (16, 32, 64), (4, 8, 16), (1, 2, 3), (1, 2, 4)
     ):
-        if keys_major and block_n == 16:
-            continue  # keys-major puts the key tile on the MMA's M axis: 16 rows is too small for tensor cores
+        if keys_major and (block_n == 16 or stages == 1):
+            # 16 rows: too small an M for tensor cores; 1 stage: refused by mla_decode_fwd (miscompiled)
+            continue
         if warps == 4 and block_n == 64:
             continue  # a [32, 512] fp32 accumulator is 128 registers a thread at 4 warps, plus 64-key tiles
         if warps == 16 and (keys_major or block_h > HEADS):

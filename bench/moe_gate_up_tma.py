@@ -6,8 +6,7 @@ kernel the engine runs (kernels/moe/prefill.gate_up_fused), on the GPU.
 Kimi-Linear's expert shapes (256 experts, top-8, hidden 2304, expert size 1024), bf16, random routing as in
 ``bench/moe_prefill_sweep.py``; GPU kernel time of the GEMM (the tile map built once, outside), useful FLOPs
 against the bf16 matmul peak measured in the run, the output's largest difference relative to the pointer
-kernel's. Tiles: the engine's (128 x 128 x 64, 8 warps) at 3 and 4 stages, with and without Triton's warp
-specialisation of the k-loop (compiled for sm_90 by Triton 3.9 it was a no-op: same PTX).
+kernel's. Tiles: the engine's (128 x 128 x 64, 8 warps) at 3 and 4 stages.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from bench.gpu_kernels_check import kernel_ms
 from bench.mid import roofline
 from bench.moe_prefill_sweep import HID, INTER, E, K
 from kernels.moe.grouped import moe_align
-from kernels.moe.prefill import GATE_UP_TILES, _tiles_of, gate_up_fused
+from kernels.moe.prefill import GATE_UP_TILES, gate_up_fused
 from kernels.moe.prefill_tma import gate_up_tma
+from kernels.moe.tiles import tiles_of
 from kernels.moe.triton import sigmoid_topk_route_triton
 
 
@@ -34,16 +34,13 @@ def workload(t: int, w13: torch.Tensor, peak: float) -> dict:
     x = torch.randn(t, HID, generator=gen, device=device).to(torch.bfloat16)
     _, ids = sigmoid_topk_route_triton(torch.randn(t, E, generator=gen, device=device), None, K, True, 1.0)
     al = moe_align(ids, E)
-    tmap = _tiles_of(al, al.token.numel(), GATE_UP_TILES.block_m, None)
+    tmap = tiles_of(al, al.token.numel(), GATE_UP_TILES.block_m, None)
     flops = 2.0 * al.token.numel() * HID * 2 * INTER
     want = gate_up_fused(x, al, w13, GATE_UP_TILES, tmap)
     paths = {"pointer (engine)": lambda: gate_up_fused(x, al, w13, GATE_UP_TILES, tmap)}
     for stages in (3, 4):
-        for ws in (False, True):
-            tiles = replace(GATE_UP_TILES, num_stages=stages)
-            paths[f"tma {stages} stages{' ws' if ws else ''}"] = lambda tiles=tiles, ws=ws: gate_up_tma(
-                x, al, w13, tiles, tmap, warp_specialize=ws
-            )
+        tiles = replace(GATE_UP_TILES, num_stages=stages)
+        paths[f"tma {stages} stages"] = lambda tiles=tiles: gate_up_tma(x, al, w13, tiles, tmap)
     row: dict = {"tokens": t, "pairs": al.token.numel(), "paths": {}}
     for name, fn in paths.items():
         try:

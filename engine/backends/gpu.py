@@ -126,19 +126,27 @@ class GPUMoEBackend(MoEBackend):
     of kernels/moe/decode.py (measured on an H200 at T=64: 0.61 vs 0.94 ms a layer, docs/PERFORMANCE.md;
     ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), longer ones through the tile-scheduled kernels
     of kernels/moe/prefill.py (the gather and SwiGLU fused into the GEMMs; ``TANDEM_MOE_PREFILL_KERNELS=0``
-    keeps torch's grouped GEMMs for bf16). fp32 on CUDA always takes the kernels: the grouped path would
-    read the group sizes on the host."""
+    keeps torch's grouped GEMMs for bf16; their gate-up reads the weights through TMA on Hopper,
+    ``TANDEM_MOE_GATE_UP_TMA=0`` keeps the pointer kernel). fp32 on CUDA always takes the kernels: the grouped
+    path would read the group sizes on the host."""
 
     def __init__(
-        self, experts_impl: str = "auto", decode_kernels: bool | None = None, prefill_kernels: bool | None = None
+        self,
+        experts_impl: str = "auto",
+        decode_kernels: bool | None = None,
+        prefill_kernels: bool | None = None,
+        gate_up_tma: bool | None = None,
     ) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
             decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
         if prefill_kernels is None:
             prefill_kernels = os.environ.get("TANDEM_MOE_PREFILL_KERNELS", "1") != "0"
+        if gate_up_tma is None:
+            gate_up_tma = os.environ.get("TANDEM_MOE_GATE_UP_TMA", "1") != "0"
         self.decode_kernels = decode_kernels
         self.prefill_kernels = prefill_kernels
+        self.gate_up_impl = "auto" if gate_up_tma else "pointer"
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -190,7 +198,8 @@ class GPUMoEBackend(MoEBackend):
         if w13 is not None and pairs > DECODE_MAX_PAIRS and self._prefill_path(x):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
-                y = moe_experts_prefill(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
+                x_rows = x if x.stride(1) == 1 else x.contiguous()
+                y = moe_experts_prefill(x_rows, al, w13, w2, gate_up_impl=self.gate_up_impl)
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # as above: the grouped path, for good
                 self._prefill_failed = True

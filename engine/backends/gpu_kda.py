@@ -41,11 +41,13 @@ PLANES_MIN_LEN = FLA_CONV_MIN_LEN
 2 warps, 248 vs 284 us a layer at 8k tokens, 959 vs 1,056 us at 32k (docs/PERFORMANCE.md, sixteenth session).
 ``TANDEM_KDA_CONV_PLANES=0`` keeps fla's conv + norms (A/B runs)."""
 CONV_PLANES = os.environ.get("TANDEM_KDA_CONV_PLANES", "1").strip() != "0"
-GATE_IN_CHUNK = os.environ.get("TANDEM_KDA_GATE_IN_CHUNK", "0").strip() == "1"
+GATE_IN_CHUNK = os.environ.get("TANDEM_KDA_GATE_IN_CHUNK", "1").strip() != "0"
 """Prefill-only steps hand chunk_kda the raw gate projection and let fla apply the gate inside its chunk cumsum
 (one pass over [T, H, K] fp32 instead of fla's gate kernel, then the cumsum: 0.38 + 0.41 ms at 8k tokens, 6
-layers). Opt-in until timed on the GPU (``bench/gpu_mid.py`` with and without it): fla's fused path cannot
-run under the interpreter, so the host tests check the wiring with the reference chunk function only."""
+layers). On the H200 an 8k prefill took 39.4 vs 40.6 ms through the piecewise graphs (docs/PERFORMANCE.md,
+seventeenth session); the GPU tests check its tokens and states there (fla's fused path cannot run under the
+interpreter: the host tests check the wiring with the reference chunk function). ``TANDEM_KDA_GATE_IN_CHUNK=0``
+gates first (A/B runs)."""
 
 
 class _Round:

@@ -24,27 +24,16 @@ combine (kernels/moe/combine.py) weights and sums each token's k rows in fp32.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign, grouped_gemm, grouped_mm_supported
-from kernels.triton_utils import check_device, dot_config, mm, next_pow2
-
-
-@dataclass(frozen=True)
-class GemmTiles:
-    """One grouped GEMM's launch: rows / columns / reduction per tile, warps, pipeline stages."""
-
-    block_m: int = 64
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
-
+from kernels.moe.prefill_tma import gate_up_tma, tma_usable
+from kernels.moe.tiles import GemmTiles, TileMap, fit_stages, fitted, tile_map, tiles_of
+from kernels.triton_utils import check_device, dot_config, mm
 
 # bench/moe_prefill_sweep.py on the H200 (docs/PERFORMANCE.md): of 21 gate-up / 36 down tiles at 8k tokens,
 # 128 x 128 (8 warps, 4 stages) gate-up 1.36 ms vs 1.52 for the gather + grouped_mm + SwiGLU it replaces;
@@ -58,61 +47,6 @@ FP32_TILES = GemmTiles(64, 64, 32, num_warps=4, num_stages=2)
 def default_tiles(dtype: torch.dtype) -> tuple[GemmTiles, GemmTiles]:
     """(gate-up, down) tiles for operands of ``dtype``."""
     return (FP32_TILES, FP32_TILES) if dtype == torch.float32 else (GATE_UP_TILES, DOWN_TILES)
-
-
-SMEM_HEADROOM = 8 << 10
-"""Shared memory left to the kernel besides its pipeline buffers (the epilogue's layout conversion)."""
-
-
-def fit_stages(tiles: GemmTiles, weight_tiles: int, itemsize: int, smem_bytes: int) -> GemmTiles:
-    """``tiles`` with fewer pipeline stages (at least 2) where ``smem_bytes`` of shared memory a block cannot
-    hold ``tiles.num_stages`` stages of one activation tile and ``weight_tiles`` weight tiles: the H200's tiles
-    (4 stages of 48 KB in the gate-up GEMM) need 3 stages on an A100 (164 KB) and 2 on 100 KB parts."""
-    stage = (tiles.block_m * tiles.block_k + weight_tiles * tiles.block_n * tiles.block_k) * itemsize
-    stages = max(2, min(tiles.num_stages, (smem_bytes - SMEM_HEADROOM) // stage))
-    return tiles if stages == tiles.num_stages else replace(tiles, num_stages=stages)
-
-
-@functools.cache
-def _smem_per_block(device_index: int) -> int:
-    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
-
-
-def _fitted(tiles: GemmTiles, weight_tiles: int, x: torch.Tensor) -> GemmTiles:
-    if not x.is_cuda:  # the interpreter has no shared memory to fit
-        return tiles
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return fit_stages(tiles, weight_tiles, x.element_size(), _smem_per_block(index))
-
-
-@triton.jit
-def _tile_map_kernel(
-    ENDS,  # [E] int32 end row of each expert's group
-    TILE_E,  # [S] int32 out: expert of each tile slot, -1 past the last tile
-    TILE_ROW,  # [S] int32 out: first row of each tile
-    E,
-    S,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    # one program per BLOCK_S slots; each recomputes the experts' tile prefix sum (E values: cheaper than a
-    # second launch) so the map is one short launch, not one program walking every slot (35 us at 8k tokens)
-    o_e = tl.arange(0, BLOCK_E)
-    m_e = o_e < E
-    ends = tl.load(ENDS + o_e, mask=m_e, other=0)
-    starts = tl.load(ENDS + o_e - 1, mask=m_e & (o_e > 0), other=0)
-    tiles = tl.where(m_e, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_end = tl.cumsum(tiles, 0)
-    # first row of slot s of expert e: starts[e] + (s - tile_start[e]) * BLOCK_M
-    base = starts - (tile_end - tiles) * BLOCK_M
-    total = tl.sum(tiles, 0)
-    o_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    e_of = tl.sum((tile_end[None, :] <= o_s[:, None]).to(tl.int32), 1)  # experts ending at or before s
-    row = tl.sum(tl.where(o_e[None, :] == e_of[:, None], base[None, :], 0), 1) + o_s * BLOCK_M
-    live = o_s < total
-    tl.store(TILE_E + o_s, tl.where(live, e_of, -1), mask=o_s < S)
-    tl.store(TILE_ROW + o_s, tl.where(live, row, 0), mask=o_s < S)
 
 
 @triton.jit
@@ -229,37 +163,6 @@ def _down_tiles_kernel(
     tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-def tile_map(ends: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert, first row) of each BLOCK_M-row tile of the groups ending at ``ends`` [E] int32, over
-    ``cdiv(num_rows, block_m) + E`` slots (a bound on the tile count; unused slots get expert -1)."""
-    e = ends.shape[0]
-    slots = triton.cdiv(num_rows, block_m) + e
-    tile_e = torch.empty(slots, dtype=torch.int32, device=ends.device)
-    tile_row = torch.empty(slots, dtype=torch.int32, device=ends.device)
-    block_s = 32
-    _tile_map_kernel[(triton.cdiv(slots, block_s),)](
-        ends, tile_e, tile_row, e, slots, BLOCK_M=block_m, BLOCK_E=next_pow2(e), BLOCK_S=block_s, num_warps=4
-    )
-    return tile_e, tile_row
-
-
-@dataclass(frozen=True)
-class TileMap:
-    """A step's row tiles for one BLOCK_M: group ends [E] int32 and ``tile_map``'s (expert, first row) per slot."""
-
-    block_m: int
-    ends: torch.Tensor
-    tile_e: torch.Tensor
-    tile_row: torch.Tensor
-
-
-def _tiles_of(al: MoEAlign, n: int, block_m: int, given: TileMap | None) -> TileMap:
-    if given is not None and given.block_m == block_m:
-        return given  # the gate-up GEMM's map, reused by the down GEMM
-    ends = al.offsets.to(torch.int32)
-    return TileMap(block_m, ends, *tile_map(ends, n, block_m))
-
-
 def _check(x: torch.Tensor, al: MoEAlign, w13: torch.Tensor, w2: torch.Tensor) -> None:
     check_device("moe_experts_prefill", x, al.token, al.offsets, w13, w2)
     e, i2, h = w13.shape
@@ -285,8 +188,8 @@ def gate_up_fused(
     if n == 0:
         return a
     dot_f32, prec = dot_config(x.dtype)
-    tiles = _fitted(tiles, 2, x)
-    tm = _tiles_of(al, n, tiles.block_m, tmap)
+    tiles = fitted(tiles, 2, x)
+    tm = tiles_of(al, n, tiles.block_m, tmap)
     num_n = triton.cdiv(i, tiles.block_n)
     _gate_up_tiles_kernel[(tm.tile_e.numel() * num_n,)](
         x, al.token, tm.ends, tm.tile_e, tm.tile_row, w13, a, h, i, i * w13.stride(1), num_n, x.stride(0),
@@ -308,8 +211,8 @@ def down_grouped(
     if n == 0:
         return y
     dot_f32, prec = dot_config(a.dtype)
-    tiles = _fitted(tiles, 1, a)
-    tm = _tiles_of(al, n, tiles.block_m, tmap)
+    tiles = fitted(tiles, 1, a)
+    tm = tiles_of(al, n, tiles.block_m, tmap)
     num_n = triton.cdiv(h, tiles.block_n)
     _down_tiles_kernel[(tm.tile_e.numel() * num_n,)](
         a, tm.ends, tm.tile_e, tm.tile_row, w2, y, h, i, num_n, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
@@ -317,6 +220,11 @@ def down_grouped(
         DOT_F32=dot_f32, PREC=prec, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return y
+
+
+TMA_LONG_PAIRS = 128 << 10
+"""From this many (token, expert) pairs the TMA gate-up runs 3 pipeline stages, below it 4: on the H200
+(``python -m bench.moe_gate_up_tma``) 4 stages won at 8k tokens (1.18 vs 1.27 ms), 3 at 32k (4.06 vs 4.33)."""
 
 
 def moe_experts_prefill(
@@ -327,18 +235,30 @@ def moe_experts_prefill(
     gate_up: GemmTiles | None = None,
     down: GemmTiles | None = None,
     down_impl: str = "auto",
+    gate_up_impl: str = "auto",
 ) -> torch.Tensor:
     """x [T, H]; al: the sorted layout of the step's T*k pairs; w13 [E, 2I, H] (gate | up); w2 [E, H, I]
     -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them).
     gate_up / down: the two GEMMs' tiles (None: ``default_tiles``). down_impl: "triton" (``down_grouped``),
-    "grouped_mm" (torch's, faster on the H200; bf16 CUDA only) or "auto" (grouped_mm where supported)."""
+    "grouped_mm" (torch's, faster on the H200; bf16 CUDA only) or "auto" (grouped_mm where supported).
+    gate_up_impl: "pointer" (``gate_up_fused``), "tma" (``prefill_tma.gate_up_tma``, the weights through
+    tensor descriptors: 8-11 % faster on the H200, same outputs) or "auto" (tma where ``tma_usable``)."""
     _check(x, al, w13, w2)
     if down_impl not in ("auto", "triton", "grouped_mm"):
         raise ValueError(f"down_impl must be auto, triton or grouped_mm, got {down_impl!r}")
+    if gate_up_impl not in ("auto", "pointer", "tma"):
+        raise ValueError(f"gate_up_impl must be auto, pointer or tma, got {gate_up_impl!r}")
     gu, dn = (gate_up or default_tiles(x.dtype)[0]), (down or default_tiles(x.dtype)[1])
     n = al.token.numel()
-    tmap = _tiles_of(al, n, gu.block_m, None) if n else None  # one map for both GEMMs where their rows agree
-    a = gate_up_fused(x, al, w13, gu, tmap)
+    tmap = tiles_of(al, n, gu.block_m, None) if n else None  # one map for both GEMMs where their rows agree
+    if gate_up_impl == "auto":
+        gate_up_impl = "tma" if tma_usable(x, w13) else "pointer"
+    if gate_up_impl == "tma":
+        if gate_up is None and n >= TMA_LONG_PAIRS:
+            gu = replace(gu, num_stages=min(gu.num_stages, 3))
+        a = gate_up_tma(x, al, w13, gu, tmap)
+    else:
+        a = gate_up_fused(x, al, w13, gu, tmap)
     if down_impl == "auto":
         down_impl = "grouped_mm" if grouped_mm_supported(a) else "triton"
     if down_impl == "grouped_mm":
@@ -350,6 +270,7 @@ __all__ = [
     "DOWN_TILES",
     "FP32_TILES",
     "GATE_UP_TILES",
+    "TMA_LONG_PAIRS",
     "GemmTiles",
     "TileMap",
     "default_tiles",

@@ -1,14 +1,16 @@
-"""Experiment: the MoE gate-up GEMM of ``kernels/moe/prefill.py`` with the expert weights read through TMA.
+"""The MoE gate-up GEMM of ``kernels/moe/prefill.py`` with the expert weights read through TMA.
 Contract: ``prefill.gate_up_fused`` (silu(x[token] @ w1[e]^T) * (x[token] @ w3[e]^T) per sorted row).
 
 Why: compiled for sm_90, the pointer kernel feeds Hopper's wgmma with ``cp.async`` for both operands and holds
 255 registers a thread at its 128 x 128 x 64 tile, 8 warps, 4 stages (192 KB of shared memory: one block an
 SM); the address arithmetic and the copies are issued by the same warps that run the MMAs. Here the weight
 tiles (two thirds of the operand bytes) come through tensor descriptors — the copy engine writes them to
-shared memory in the MMA's layout — and, optionally (``warp_specialize``), Triton splits the loop into a
-producer and consumer warps. The activation rows stay a pointer gather (rows by token: a TMA gather is
-Blackwell's). Not wired into the engine: ``python -m bench.moe_gate_up_tma`` times it against
-``gate_up_fused`` on the GPU; the engine takes whichever wins there.
+shared memory in the MMA's layout (Triton's ``warp_specialize`` of the loop is not used: a no-op for sm_90 in
+Triton 3.9, an assertion in Triton 3.6's warp-specialization pass on the lent H200). The activation rows stay
+a pointer gather (rows by token: a TMA gather is Blackwell's). On the H200 (``python -m
+bench.moe_gate_up_tma``, seventeenth session) it took 1.18 ms against the pointer kernel's 1.32 at 8k tokens
+and 4.06 against 4.46 at 32k, outputs identical: the engine's prefill MoE runs it where ``tma_usable``
+(``moe_experts_prefill(gate_up_impl="auto")``).
 
 Weight tiles past a gate / up block's last column read the next rows of the [E*2I, H] view (or zeros past its
 end: TMA pads out-of-bounds boxes with zeros); those output columns are masked at the store, as in the
@@ -23,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.moe.grouped import MoEAlign
-from kernels.moe.prefill import GemmTiles, TileMap, _fitted, _tiles_of
+from kernels.moe.tiles import GemmTiles, TileMap, fitted, tiles_of
 from kernels.triton_utils import dot_config, mm
 
 
@@ -48,7 +50,6 @@ def _gate_up_tma_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     slot = pid // num_n
@@ -67,7 +68,7 @@ def _gate_up_tma_kernel(
     p_x = X + tok[:, None] * stride_x + o_k[None, :]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPECIALIZE):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             x = tl.load(p_x + k0, mask=m_m[:, None], other=0.0)
         else:
@@ -81,13 +82,25 @@ def _gate_up_tma_kernel(
     tl.store(p_a, act.to(A.dtype.element_ty), mask=m_m[:, None] & (o_n < INTER)[None, :])
 
 
+def tma_usable(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    """Whether ``gate_up_tma`` can run here and was measured to win: Hopper or newer (TMA), 16-bit operands
+    (the fp32 tiles were never timed through it), a contiguous w13 with 16-byte rows."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return (
+        torch.cuda.get_device_capability(index) >= (9, 0)
+        and w13.is_contiguous()
+        and (w13.shape[-1] * w13.element_size()) % 16 == 0
+    )
+
+
 def gate_up_tma(
     x: torch.Tensor,
     al: MoEAlign,
     w13: torch.Tensor,
     tiles: GemmTiles,
     tmap: TileMap | None = None,
-    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """``prefill.gate_up_fused`` with the weights through TMA: [N, I] in x's dtype. w13 [E, 2I, H] contiguous."""
     e, i2, h = w13.shape
@@ -101,17 +114,17 @@ def gate_up_tma(
     if (h * w13.element_size()) % 16:
         raise ValueError(f"gate_up_tma: TMA needs 16-byte rows, H={h} of {w13.dtype} is not")
     dot_f32, prec = dot_config(x.dtype)
-    tiles = _fitted(tiles, 2, x)
-    tm = _tiles_of(al, n, tiles.block_m, tmap)
+    tiles = fitted(tiles, 2, x)
+    tm = tiles_of(al, n, tiles.block_m, tmap)
     num_n = triton.cdiv(i, tiles.block_n)
     desc = TensorDescriptor.from_tensor(w13.view(e * i2, h), [tiles.block_n, tiles.block_k])
     _gate_up_tma_kernel[(tm.tile_e.numel() * num_n,)](
         x, al.token, tm.ends, tm.tile_e, tm.tile_row, desc, a, h, i, num_n, x.stride(0), a.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=h % tiles.block_k == 0,
-        DOT_F32=dot_f32, PREC=prec, NUM_STAGES=tiles.num_stages, WARP_SPECIALIZE=warp_specialize,
+        DOT_F32=dot_f32, PREC=prec, NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps,
     )  # fmt: skip
     return a
 
 
-__all__ = ["gate_up_tma"]
+__all__ = ["gate_up_tma", "tma_usable"]

@@ -212,6 +212,11 @@ def mla_decode_fwd(
     keys_major = False if keys_major is None else keys_major
     num_warps = num_warps or 4
     num_stages = num_stages or 2
+    if keys_major and num_stages < 2 and q_lat.is_cuda:
+        # Triton 3.6 on the H200 returned wrong outputs (max |err| up to 13) for keys-major 64-key tiles, 8 warps,
+        # 1 stage, in every sweep since the form was added (bench/mla_decode_sweep.py); the interpreter and
+        # 2 or 3 stages agree with the reference, so the single-stage compile is refused rather than trusted
+        raise ValueError("mla_decode_fwd: keys_major needs num_stages >= 2 on CUDA (1 stage miscompiled)")
     if num_splits is None:
         num_splits = mla_decode_splits(b, max_ctx, q_lat.device)
     if num_splits < 1:

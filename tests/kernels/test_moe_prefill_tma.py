@@ -8,8 +8,8 @@ import torch
 
 from kernels.moe.grouped import moe_align
 from kernels.moe.prefill import GemmTiles, gate_up_fused
-from kernels.moe.prefill_tma import gate_up_tma
-from tests.kernels.helpers import assert_close, tol
+from kernels.moe.prefill_tma import gate_up_tma, tma_usable
+from tests.kernels.helpers import DEVICE, assert_close, tol
 from tests.kernels.test_moe_prefill import _problem as moe_problem
 
 
@@ -28,7 +28,6 @@ def _definition(x: torch.Tensor, w13: torch.Tensor, al) -> torch.Tensor:
     return torch.nn.functional.silu(h13[:, :i]) * h13[:, i:]
 
 
-@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "ws"])
 @pytest.mark.parametrize(
     ("t", "e", "k", "h", "i", "tiles"),
     [
@@ -38,9 +37,9 @@ def _definition(x: torch.Tensor, w13: torch.Tensor, al) -> torch.Tensor:
         # expert's up box runs past the [E*2I, H] view's end (zero padded)
     ],
 )
-def test_tma_gate_up_matches_the_definition_and_the_pointer_kernel(t, e, k, h, i, tiles, warp_specialize):
+def test_tma_gate_up_matches_the_definition_and_the_pointer_kernel(t, e, k, h, i, tiles):
     x, w13, al = _problem(t, e, k, h, i, 5)
-    got = gate_up_tma(x, al, w13, tiles, warp_specialize=warp_specialize)
+    got = gate_up_tma(x, al, w13, tiles)
     assert got.shape == (t * k, i)
     assert_close("tma vs definition", _definition(x, w13, al), got, tol(torch.float32))
     assert_close("tma vs pointer kernel", gate_up_fused(x, al, w13, tiles), got, tol(torch.float32))
@@ -54,3 +53,37 @@ def test_tma_gate_up_rejects_what_tma_cannot_read():
     x2, w2, al2 = _problem(9, 4, 2, 66, 16, 1)  # 66 bf16 columns: 132-byte rows, not 16-byte aligned
     with pytest.raises(ValueError, match="16-byte"):
         gate_up_tma(x2.bfloat16(), al2, w2.bfloat16(), tiles)
+
+
+def test_prefill_experts_take_the_tma_gate_up_where_usable(monkeypatch):
+    """``moe_experts_prefill``: "tma" and "pointer" give the same rows; "auto" takes the TMA kernel only where
+    ``tma_usable`` (Hopper, 16-bit, 16-byte rows), with 3 stages from ``TMA_LONG_PAIRS`` pairs unless tiles
+    are given; an unknown impl is refused by name."""
+    import kernels.moe.prefill as prefill
+
+    x, w13, w2, _, ids = moe_problem(45, 8, 2, 64, 32, 7)
+    al = moe_align(ids, 8)
+    tiles = GemmTiles(16, 32, 32, num_warps=4, num_stages=2)
+    pointer = prefill.moe_experts_prefill(x, al, w13, w2, gate_up=tiles, down=tiles, gate_up_impl="pointer")
+    tma = prefill.moe_experts_prefill(x, al, w13, w2, gate_up=tiles, down=tiles, gate_up_impl="tma")
+    assert_close("tma vs pointer experts", pointer, tma, tol(torch.float32))
+    with pytest.raises(ValueError, match="gate_up_impl"):
+        prefill.moe_experts_prefill(x, al, w13, w2, gate_up_impl="cutlass")
+
+    hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    assert not tma_usable(x, w13)  # fp32 operands: never timed through TMA
+    assert tma_usable(x.bfloat16(), w13.bfloat16()) == hopper
+    assert not tma_usable(x.bfloat16()[:, :60], w13.bfloat16()[:, :, :60].contiguous())  # 120-byte rows
+
+    stages = []
+    real = prefill.gate_up_tma
+    monkeypatch.setattr(prefill, "gate_up_tma", lambda *a: stages.append(a[3].num_stages) or real(*a))
+    monkeypatch.setattr(prefill, "tma_usable", lambda x, w13: True)
+    monkeypatch.setattr(prefill, "TMA_LONG_PAIRS", 64)
+    for t in (20, 45):  # 40 pairs, then 90; bf16 takes GATE_UP_TILES (4 stages)
+        xx, ww13, ww2, _, ii = moe_problem(t, 8, 2, 64, 32, 8, torch.bfloat16)
+        got = prefill.moe_experts_prefill(xx, moe_align(ii, 8), ww13, ww2, gate_up=None, down=tiles)
+        assert got.shape == (ii.numel(), 64)
+    assert stages == [4, 3]
+    prefill.moe_experts_prefill(x, al, w13, w2, gate_up=tiles, down=tiles)  # given tiles keep their stages
+    assert stages == [4, 3, 2]
