@@ -7,10 +7,11 @@ GEMM into a [T*k, 2I] buffer, SwiGLU over it into [T*k, I], then the down GEMM: 
 activation-sized buffers besides the GEMMs (an 8k prefill of the mid shape, 7 MoE layers: gather 1.3 ms,
 SwiGLU 1.2 ms). Here, on the expert-sorted layout (``MoEAlign``):
 
-    tile map  one launch: each expert's rows cut into BLOCK_M-row tiles, tiles numbered in expert order
-              -> (expert, first row) of every tile slot; slots past the last tile get expert -1
+    tile map  one launch (kernels/moe/tiles.py): each expert's rows cut into BLOCK_M-row tiles, numbered in
+              expert order -> (expert, first row) of every tile slot; slots past the last tile get expert -1
     gate-up   one program per (tile, BLOCK_N columns of I): loads its rows of x by token (the gather), the
               expert's gate and up columns, writes silu(gate) * up from the fp32 accumulators (the SwiGLU)
+              (on Hopper the same kernel with the weight tiles through TMA: kernels/moe/prefill_tma.py)
     down      one program per (tile, BLOCK_N columns of H): a @ w2[e]^T in sorted rows; by default only
               where torch's grouped_mm cannot run (fp32, older GPUs): on the H200 grouped_mm's down GEMM
               was faster than every tile swept (bench/moe_prefill_sweep.py)

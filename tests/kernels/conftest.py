@@ -34,6 +34,7 @@ TRITON_MODULES = (
     "kernels.moe.decode",
     "kernels.moe.prefill",
     "kernels.moe.prefill_tma",
+    "kernels.moe.tiles",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
     "kernels.paged_attention.mla_decode",
