@@ -98,7 +98,34 @@ def cases() -> dict[str, dict]:
             8,
             stages,
         )
+    out |= down_cases()
     out |= mla_cases()
+    return out
+
+
+def down_cases() -> dict[str, dict]:
+    """The down GEMM (a [N, I] sorted rows @ w2[e]^T) at the engine's 128 x 256 x 64 tile, 8 warps: the pointer
+    kernel (the engine's fallback; torch's grouped_mm runs by default) and both operands through TMA."""
+    tile = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "DOT_F32": False, "PREC": "tf32"}
+    base = {"ENDS": "*i32", "TILE_E": "*i32", "TILE_ROW": "*i32"}
+    pointer_sig = {"A": "*bf16"} | base | {"W2": "*bf16", "Y": "*bf16"}
+    pointer_sig |= {n: "i32" for n in ("H", "INTER", "num_n", "stride_a", "stride_we", "stride_wn", "stride_y")}
+    pointer_aligned = ("A", *base, "W2", "Y", "H", "INTER", "stride_a", "stride_we", "stride_wn", "stride_y")
+    tma_sig = {"A_DESC": "tensordesc<bf16[128, 64]>"} | base | {"W_DESC": "tensordesc<bf16[256, 64]>", "Y": "*bf16"}
+    tma_sig |= {n: "i32" for n in ("H", "INTER", "num_n", "stride_y")}
+    out = {}
+    for stages in (3, 4):
+        out[f"down pointer, {stages} stages"] = report(
+            prefill._down_tiles_kernel, dict(pointer_sig), tile | {"EVEN_K": True}, pointer_aligned, 8, stages
+        )
+        out[f"down TMA both operands, {stages} stages"] = report(
+            prefill_tma._down_tma_kernel,
+            dict(tma_sig),
+            tile | {"NUM_STAGES": stages},
+            (*base, "Y", "H", "INTER", "stride_y"),
+            8,
+            stages,
+        )
     return out
 
 

@@ -21,11 +21,14 @@ def test_sm90_report_shows_the_tma_variant_reading_weights_through_tma():
     rows = {}
     for line in out.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| gate-up"):
+        if line.startswith(("| gate-up", "| down")):
             # registers, spills, shared KB, wgmma, TMA copies, cp.async, setmaxnreg
             rows[cells[0]] = [int(c) for c in cells[1:]]
-    assert len(rows) == 4, out.stdout
+    assert len(rows) == 8, out.stdout
     pointer, tma = rows["gate-up pointer, 3 stages"], rows["gate-up TMA weights, 3 stages"]
     assert pointer[3] > 0 and tma[3] > 0  # both on Hopper's wgmma
     assert pointer[4] == 0 and tma[4] > 0  # only the variant issues TMA copies
     assert tma[0] < pointer[0] and tma[1] == 0  # fewer registers a thread, no spills
+    down, down_tma = rows["down pointer, 4 stages"], rows["down TMA both operands, 4 stages"]
+    assert down[3] > 0 and down_tma[3] > 0 and down_tma[1] == 0
+    assert down_tma[4] > 0 and down_tma[5] == 0  # both operands by TMA: no cp.async left

@@ -127,7 +127,8 @@ class GPUMoEBackend(MoEBackend):
     ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), longer ones through the tile-scheduled kernels
     of kernels/moe/prefill.py (the gather and SwiGLU fused into the GEMMs; ``TANDEM_MOE_PREFILL_KERNELS=0``
     keeps torch's grouped GEMMs for bf16; their gate-up reads the weights through TMA on Hopper,
-    ``TANDEM_MOE_GATE_UP_TMA=0`` keeps the pointer kernel). fp32 on CUDA always takes the kernels: the grouped
+    ``TANDEM_MOE_GATE_UP_TMA=0`` keeps the pointer kernel; ``TANDEM_MOE_DOWN_IMPL`` = auto | grouped_mm | triton |
+    tma picks the down GEMM, for A / B runs). fp32 on CUDA always takes the kernels: the grouped
     path would read the group sizes on the host."""
 
     def __init__(
@@ -136,6 +137,7 @@ class GPUMoEBackend(MoEBackend):
         decode_kernels: bool | None = None,
         prefill_kernels: bool | None = None,
         gate_up_tma: bool | None = None,
+        down_impl: str | None = None,
     ) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
@@ -147,6 +149,11 @@ class GPUMoEBackend(MoEBackend):
         self.decode_kernels = decode_kernels
         self.prefill_kernels = prefill_kernels
         self.gate_up_impl = "auto" if gate_up_tma else "pointer"
+        self.down_impl = down_impl or os.environ.get("TANDEM_MOE_DOWN_IMPL", "auto").strip()
+        if self.down_impl not in ("auto", "grouped_mm", "triton", "tma"):
+            raise ValueError(
+                f"MoE down_impl (TANDEM_MOE_DOWN_IMPL) must be auto, grouped_mm, triton or tma, got {self.down_impl!r}"
+            )
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -199,7 +206,7 @@ class GPUMoEBackend(MoEBackend):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
                 x_rows = x if x.stride(1) == 1 else x.contiguous()
-                y = moe_experts_prefill(x_rows, al, w13, w2, gate_up_impl=self.gate_up_impl)
+                y = moe_experts_prefill(x_rows, al, w13, w2, gate_up_impl=self.gate_up_impl, down_impl=self.down_impl)
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # as above: the grouped path, for good
                 self._prefill_failed = True

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign, grouped_gemm, grouped_mm_supported
-from kernels.moe.prefill_tma import gate_up_tma, tma_usable
+from kernels.moe.prefill_tma import down_tma, gate_up_tma, tma_usable
 from kernels.moe.tiles import GemmTiles, TileMap, fit_stages, fitted, tile_map, tiles_of
 from kernels.triton_utils import check_device, dot_config, mm
 
@@ -241,12 +241,13 @@ def moe_experts_prefill(
     """x [T, H]; al: the sorted layout of the step's T*k pairs; w13 [E, 2I, H] (gate | up); w2 [E, H, I]
     -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them).
     gate_up / down: the two GEMMs' tiles (None: ``default_tiles``). down_impl: "triton" (``down_grouped``),
-    "grouped_mm" (torch's, faster on the H200; bf16 CUDA only) or "auto" (grouped_mm where supported).
+    "grouped_mm" (torch's, faster on the H200; bf16 CUDA only), "tma" (``prefill_tma.down_tma``, both operands
+    through TMA; not yet timed on the GPU) or "auto" (grouped_mm where supported).
     gate_up_impl: "pointer" (``gate_up_fused``), "tma" (``prefill_tma.gate_up_tma``, the weights through
     tensor descriptors: 8-11 % faster on the H200, same outputs) or "auto" (tma where ``tma_usable``)."""
     _check(x, al, w13, w2)
-    if down_impl not in ("auto", "triton", "grouped_mm"):
-        raise ValueError(f"down_impl must be auto, triton or grouped_mm, got {down_impl!r}")
+    if down_impl not in ("auto", "triton", "grouped_mm", "tma"):
+        raise ValueError(f"down_impl must be auto, triton, grouped_mm or tma, got {down_impl!r}")
     if gate_up_impl not in ("auto", "pointer", "tma"):
         raise ValueError(f"gate_up_impl must be auto, pointer or tma, got {gate_up_impl!r}")
     gu, dn = (gate_up or default_tiles(x.dtype)[0]), (down or default_tiles(x.dtype)[1])
@@ -264,6 +265,8 @@ def moe_experts_prefill(
         down_impl = "grouped_mm" if grouped_mm_supported(a) else "triton"
     if down_impl == "grouped_mm":
         return grouped_gemm(a, w2, al.offsets)
+    if down_impl == "tma":
+        return down_tma(a, al, w2, dn, tmap)
     return down_grouped(a, al, w2, dn, tmap)
 
 

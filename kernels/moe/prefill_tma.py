@@ -12,6 +12,10 @@ bench.moe_gate_up_tma``, seventeenth session) it took 1.18 ms against the pointe
 and 4.06 against 4.46 at 32k, outputs identical: the engine's prefill MoE runs it where ``tma_usable``
 (``moe_experts_prefill(gate_up_impl="auto")``).
 
+The down GEMM (``down_tma``, prepared, not the engine's default: torch's grouped_mm is, until the GPU run
+``bash bench/gpu_session.sh moe-down-tma``; ``TANDEM_MOE_DOWN_IMPL=tma`` selects it) takes both operands
+through descriptors: its rows are already in sorted order, so the activation tile is a plain box too.
+
 Weight tiles past a gate / up block's last column read the next rows of the [E*2I, H] view (or zeros past its
 end: TMA pads out-of-bounds boxes with zeros); those output columns are masked at the store, as in the
 pointer kernel. The same holds along H.
@@ -82,6 +86,48 @@ def _gate_up_tma_kernel(
     tl.store(p_a, act.to(A.dtype.element_ty), mask=m_m[:, None] & (o_n < INTER)[None, :])
 
 
+@triton.jit
+def _down_tma_kernel(
+    A_DESC,  # descriptor over a [N, I] (sorted rows), boxes [BLOCK_M, BLOCK_K]
+    ENDS,  # [E] int32
+    TILE_E,
+    TILE_ROW,
+    W_DESC,  # descriptor over w2 viewed [E * H, I], boxes [BLOCK_N, BLOCK_K]
+    Y,  # [N, H] out, sorted rows
+    H,
+    INTER,
+    num_n,  # column blocks of H
+    stride_y,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # both operands by TMA: a tile's rows are contiguous in the sorted layout (no gather). Rows past the
+    # expert's end (the next expert's, or zeros past N), weight rows past H (the next expert's) and the
+    # reduction past I (zeros) only reach masked output cells or add zero products.
+    pid = tl.program_id(0)
+    slot = pid // num_n
+    e = tl.load(TILE_E + slot)
+    if e < 0:
+        return
+    row0 = tl.load(TILE_ROW + slot)
+    end = tl.load(ENDS + e)
+    o_m = row0 + tl.arange(0, BLOCK_M)
+    n0 = (pid % num_n) * BLOCK_N
+    o_n = n0 + tl.arange(0, BLOCK_N)
+    w_row = e * H + n0
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
+        a = A_DESC.load([row0, k0])  # [BLOCK_M, BLOCK_K]
+        w = W_DESC.load([w_row, k0])  # [BLOCK_N, BLOCK_K], K contiguous
+        acc += mm(a, w.T, DOT_F32, PREC)
+    p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
+    tl.store(p_y, acc.to(Y.dtype.element_ty), mask=(o_m < end)[:, None] & (o_n < H)[None, :])
+
+
 def tma_usable(x: torch.Tensor, w13: torch.Tensor) -> bool:
     """Whether ``gate_up_tma`` can run here and was measured to win: Hopper or newer (TMA), 16-bit operands
     (the fp32 tiles were never timed through it), a contiguous w13 with 16-byte rows."""
@@ -127,4 +173,32 @@ def gate_up_tma(
     return a
 
 
-__all__ = ["gate_up_tma", "tma_usable"]
+def down_tma(
+    a: torch.Tensor, al: MoEAlign, w2: torch.Tensor, tiles: GemmTiles, tmap: TileMap | None = None
+) -> torch.Tensor:
+    """``prefill.down_grouped`` with both operands through TMA: a [N, I] sorted rows -> [N, H] in a's dtype.
+    w2 [E, H, I] and a contiguous, I * itemsize a multiple of 16 bytes (TMA's row alignment)."""
+    e, h, i = w2.shape
+    n = a.shape[0]
+    y = torch.empty(n, h, dtype=a.dtype, device=a.device)
+    if n == 0:
+        return y
+    if not (w2.is_contiguous() and a.is_contiguous()):
+        raise ValueError("down_tma: w2 and a must be contiguous")
+    if (i * w2.element_size()) % 16:
+        raise ValueError(f"down_tma: TMA needs 16-byte rows, I={i} of {w2.dtype} is not")
+    dot_f32, prec = dot_config(a.dtype)
+    tiles = fitted(tiles, 1, a)
+    tm = tiles_of(al, n, tiles.block_m, tmap)
+    num_n = triton.cdiv(h, tiles.block_n)
+    a_desc = TensorDescriptor.from_tensor(a, [tiles.block_m, tiles.block_k])
+    w_desc = TensorDescriptor.from_tensor(w2.view(e * h, i), [tiles.block_n, tiles.block_k])
+    _down_tma_kernel[(tm.tile_e.numel() * num_n,)](
+        a_desc, tm.ends, tm.tile_e, tm.tile_row, w_desc, y, h, i, num_n, y.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_F32=dot_f32, PREC=prec,
+        NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return y
+
+
+__all__ = ["down_tma", "gate_up_tma", "tma_usable"]

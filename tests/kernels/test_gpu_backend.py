@@ -266,6 +266,34 @@ def test_moe_long_steps_match_reference(path, monkeypatch):
         assert len(launched) == 1
 
 
+def test_moe_down_impl_is_chosen_by_env_and_refused_by_name(monkeypatch):
+    """``TANDEM_MOE_DOWN_IMPL`` reaches ``moe_experts_prefill`` (here "tma": both operands through descriptors,
+    run by the interpreter on this host) with the reference's outputs; an unknown name is refused at start."""
+    import engine.backends.gpu as gpu_mod
+    import kernels.moe.prefill as prefill
+
+    ran = []
+    real = prefill.down_tma
+    monkeypatch.setattr(prefill, "down_tma", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gpu_mod, "DECODE_MAX_PAIRS", 8)
+    monkeypatch.setenv("TANDEM_MOE_DOWN_IMPL", "tma")
+    gen = torch.Generator().manual_seed(6)
+    t, e, k, hd, i = 19, 8, 2, 32, 16
+    ref = TorchMoEBackend()
+    w, ids = ref.route(torch.randn(t, e, generator=gen).to(DEVICE), None, k, True, 2.446)
+    x = torch.randn(t, hd, generator=gen).to(DEVICE)
+    w13 = torch.randn(e, 2 * i, hd, generator=gen).to(DEVICE)
+    w2 = torch.randn(e, hd, i, generator=gen).to(DEVICE)
+    gpu = GPUMoEBackend(prefill_kernels=True)
+    assert gpu.down_impl == "tma"
+    got = gpu.experts(x, w, ids, w13[:, :i], w13[:, i:], w2, w13)
+    assert_close("experts, tma down", ref.experts(x, w, ids, w13[:, :i], w13[:, i:], w2), got, tol(torch.float32))
+    assert ran and not gpu._prefill_failed
+    monkeypatch.setenv("TANDEM_MOE_DOWN_IMPL", "cublas")
+    with pytest.raises(ValueError, match="TANDEM_MOE_DOWN_IMPL"):
+        GPUMoEBackend()
+
+
 # ---- select_backends ------------------------------------------------------------------------------
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kernels.moe.grouped import moe_align
-from kernels.moe.prefill import GemmTiles, gate_up_fused
-from kernels.moe.prefill_tma import gate_up_tma, tma_usable
+from kernels.moe.prefill import GemmTiles, down_grouped, gate_up_fused
+from kernels.moe.prefill_tma import down_tma, gate_up_tma, tma_usable
 from tests.kernels.helpers import DEVICE, assert_close, tol
 from tests.kernels.test_moe_prefill import _problem as moe_problem
 
@@ -87,3 +87,54 @@ def test_prefill_experts_take_the_tma_gate_up_where_usable(monkeypatch):
     assert stages == [4, 3]
     prefill.moe_experts_prefill(x, al, w13, w2, gate_up=tiles, down=tiles)  # given tiles keep their stages
     assert stages == [4, 3, 2]
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "k", "h", "i", "tiles"),
+    [
+        (37, 8, 2, 48, 64, GemmTiles(16, 32, 32, num_warps=4, num_stages=2)),  # an H block runs into the next
+        # expert's weight rows; row tiles run into the next expert's rows
+        (29, 16, 4, 32, 96, GemmTiles(16, 32, 64, num_warps=4, num_stages=2)),  # I not a multiple of BLOCK_K
+        (3, 16, 2, 24, 64, GemmTiles(16, 16, 32, num_warps=4, num_stages=3)),  # most experts empty; the last
+        # row tile and the last expert's H block run past the views' ends (zero padded)
+    ],
+)
+def test_tma_down_matches_the_definition_and_the_pointer_kernel(t, e, k, h, i, tiles):
+    g = torch.Generator().manual_seed(9)
+    _, _, w2, _, ids = moe_problem(t, e, k, h, i, 6)
+    al = moe_align(ids, e)
+    a = torch.randn(ids.numel(), i, generator=g).to(DEVICE)  # sorted rows
+    got = down_tma(a, al, w2, tiles)
+    assert got.shape == (t * k, h)
+    want = torch.einsum("ni,nhi->nh", a, w2[_expert_of_rows(al, e)])
+    assert_close("tma down vs definition", want, got, tol(torch.float32))
+    assert_close("tma down vs pointer kernel", down_grouped(a, al, w2, tiles), got, tol(torch.float32))
+    assert not torch.allclose(down_tma(a, al, w2.flip(0), tiles), got)  # each row tile reads its own expert
+
+
+def _expert_of_rows(al, e: int) -> torch.Tensor:
+    ends = al.offsets.cpu()
+    return torch.repeat_interleave(torch.arange(e), torch.diff(ends, prepend=torch.zeros(1, dtype=ends.dtype))).to(
+        DEVICE
+    )
+
+
+def test_tma_down_rejects_what_tma_cannot_read_and_runs_in_the_experts():
+    import kernels.moe.prefill as prefill
+
+    x, w13, w2, _, ids = moe_problem(21, 4, 2, 64, 36, 2)  # I = 36 fp32: 144-byte rows
+    al = moe_align(ids, 4)
+    tiles = GemmTiles(16, 16, 32, num_warps=4, num_stages=2)
+    a = torch.randn(ids.numel(), 36).to(DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        down_tma(a.t().contiguous().t(), al, w2, tiles)
+    with pytest.raises(ValueError, match="16-byte"):
+        down_tma(a[:, :34].contiguous(), al, w2[:, :, :34].contiguous(), tiles)  # 136-byte rows
+    kw = dict(gate_up=tiles, down=tiles)
+    triton_down = prefill.moe_experts_prefill(x, al, w13, w2, down_impl="triton", **kw)
+    assert_close(
+        "experts, tma down",
+        triton_down,
+        prefill.moe_experts_prefill(x, al, w13, w2, down_impl="tma", **kw),
+        tol(torch.float32),
+    )
