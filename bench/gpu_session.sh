@@ -26,7 +26,7 @@
 #                                            # vs the pointer kernel; its tests
 #   bash bench/gpu_session.sh moe-down-tma   # 1 x H200: the MoE down GEMM with both operands through TMA vs grouped_mm
 #                                            # and the pointer kernel (4 tiles); its tests; then prefill 8k / 32k
-#                                            # with TANDEM_MOE_DOWN_IMPL=grouped_mm and =tma (two processes)
+#                                            # with TANDEM_MOE_DOWN_IMPL=grouped_mm and =auto (two processes)
 #   bash bench/gpu_session.sh kda-gate-ab    # 1 x H200: the KDA gate inside fla's chunk cumsum (TANDEM_KDA_GATE_IN_CHUNK)
 #                                            # tests on the GPU, then prefill 8k / 32k without and with it
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
@@ -69,7 +69,7 @@ case "$step" in
     python -m bench.moe_gate_up_tma --out "$OUT/moe_gate_up_tma.json" "$@" | tee "$OUT/moe_gate_up_tma.txt" ;;
   moe-down-tma) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_prefill_tma.py | tee "$OUT/gpu_tests_moe_down_tma.txt"
     python -m bench.moe_down_tma --out "$OUT/moe_down_tma.json" | tee "$OUT/moe_down_tma.txt"
-    for v in grouped_mm tma; do TANDEM_MOE_DOWN_IMPL=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 \
+    for v in grouped_mm auto; do TANDEM_MOE_DOWN_IMPL=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 \
       --ctx 1024 --batches 1 --decode-steps 2 --repeat 3 --out "$OUT/mid_moe_down_$v.json" "$@"; done ;;
   kda-gate-ab) python -m pytest -q -p no:cacheprovider tests/kernels/test_short_conv_planes.py -k "gated or engine_tokens" \
       | tee "$OUT/gpu_tests_kda_gate.txt"

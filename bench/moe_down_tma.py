@@ -1,6 +1,6 @@
 """The MoE down GEMM with both operands through TMA (kernels/moe/prefill_tma.down_tma) against torch's
-grouped_mm (the engine's default down GEMM on the H200) and the pointer kernel (kernels/moe/prefill.down_grouped),
-on the GPU.
+grouped_mm and the pointer kernel (kernels/moe/prefill.down_grouped), on the GPU. (The engine runs the TMA
+kernel below 16k tokens and grouped_mm from there, as this measured: docs/PERFORMANCE.md, seventeenth session.)
 
     python -m bench.moe_down_tma --tokens 8192 32768 --out moe_down_tma.json
 
@@ -9,8 +9,7 @@ Kimi-Linear's expert shapes (256 experts, top-8, hidden 2304, expert size 1024),
 (tile maps built once, outside), useful FLOPs against the bf16 matmul peak measured in the run, the output's
 largest difference relative to grouped_mm's. TMA tiles: the engine's down tile (128 x 256 x 64, 8 warps) at 3
 and 4 stages, 128 x 128 at 4, 256-row tiles (one tile for most experts' ~256 rows at 8k: each weight tile
-read once) at 3. The engine's ``TANDEM_MOE_DOWN_IMPL=tma`` runs the same kernel end to end (A / B with
-``bench/gpu_mid.py``).
+read once) at 3. ``TANDEM_MOE_DOWN_IMPL=grouped_mm|auto`` with ``bench/gpu_mid.py`` gives the end-to-end A / B.
 """
 
 from __future__ import annotations

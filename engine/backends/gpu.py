@@ -126,10 +126,10 @@ class GPUMoEBackend(MoEBackend):
     of kernels/moe/decode.py (measured on an H200 at T=64: 0.61 vs 0.94 ms a layer, docs/PERFORMANCE.md;
     ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), longer ones through the tile-scheduled kernels
     of kernels/moe/prefill.py (the gather and SwiGLU fused into the GEMMs; ``TANDEM_MOE_PREFILL_KERNELS=0``
-    keeps torch's grouped GEMMs for bf16; their gate-up reads the weights through TMA on Hopper,
-    ``TANDEM_MOE_GATE_UP_TMA=0`` keeps the pointer kernel; ``TANDEM_MOE_DOWN_IMPL`` = auto | grouped_mm | triton |
-    tma picks the down GEMM, for A / B runs). fp32 on CUDA always takes the kernels: the grouped
-    path would read the group sizes on the host."""
+    keeps torch's grouped GEMMs for bf16). On Hopper the gate-up GEMM reads the weights through TMA
+    (``TANDEM_MOE_GATE_UP_TMA=0``: the pointer kernel), and so does the down GEMM below 16k tokens, torch's
+    grouped_mm from there (``TANDEM_MOE_DOWN_IMPL`` = auto | grouped_mm | triton | tma overrides, for A / B
+    runs). fp32 on CUDA always takes the kernels: the grouped path would read the group sizes on the host."""
 
     def __init__(
         self,

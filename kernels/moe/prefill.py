@@ -224,8 +224,10 @@ def down_grouped(
 
 
 TMA_LONG_PAIRS = 128 << 10
-"""From this many (token, expert) pairs the TMA gate-up runs 3 pipeline stages, below it 4: on the H200
-(``python -m bench.moe_gate_up_tma``) 4 stages won at 8k tokens (1.18 vs 1.27 ms), 3 at 32k (4.06 vs 4.33)."""
+"""From this many (token, expert) pairs the TMA gate-up runs 3 pipeline stages, below it 4, and the down GEMM
+leaves TMA for torch's grouped_mm. On the H200: gate-up (``python -m bench.moe_gate_up_tma``) 4 stages won at
+8k tokens (1.18 vs 1.27 ms), 3 at 32k (4.06 vs 4.33); down (``python -m bench.moe_down_tma``, two runs) TMA
+0.622 vs grouped_mm 0.652 ms at 8k, 1.097 vs 1.118 at 16k, 2.02-2.05 vs 2.00 at 32k (outputs identical)."""
 
 
 def moe_experts_prefill(
@@ -241,8 +243,8 @@ def moe_experts_prefill(
     """x [T, H]; al: the sorted layout of the step's T*k pairs; w13 [E, 2I, H] (gate | up); w2 [E, H, I]
     -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them).
     gate_up / down: the two GEMMs' tiles (None: ``default_tiles``). down_impl: "triton" (``down_grouped``),
-    "grouped_mm" (torch's, faster on the H200; bf16 CUDA only), "tma" (``prefill_tma.down_tma``, both operands
-    through TMA; not yet timed on the GPU) or "auto" (grouped_mm where supported).
+    "grouped_mm" (torch's; bf16 CUDA only), "tma" (``prefill_tma.down_tma``, both operands through TMA) or
+    "auto" (tma where ``tma_usable`` below ``TMA_LONG_PAIRS`` pairs, else grouped_mm where supported).
     gate_up_impl: "pointer" (``gate_up_fused``), "tma" (``prefill_tma.gate_up_tma``, the weights through
     tensor descriptors: 8-11 % faster on the H200, same outputs) or "auto" (tma where ``tma_usable``)."""
     _check(x, al, w13, w2)
@@ -262,7 +264,10 @@ def moe_experts_prefill(
     else:
         a = gate_up_fused(x, al, w13, gu, tmap)
     if down_impl == "auto":
-        down_impl = "grouped_mm" if grouped_mm_supported(a) else "triton"
+        if n < TMA_LONG_PAIRS and tma_usable(a, w2):
+            down_impl = "tma"
+        else:
+            down_impl = "grouped_mm" if grouped_mm_supported(a) else "triton"
     if down_impl == "grouped_mm":
         return grouped_gemm(a, w2, al.offsets)
     if down_impl == "tma":

@@ -12,9 +12,10 @@ bench.moe_gate_up_tma``, seventeenth session) it took 1.18 ms against the pointe
 and 4.06 against 4.46 at 32k, outputs identical: the engine's prefill MoE runs it where ``tma_usable``
 (``moe_experts_prefill(gate_up_impl="auto")``).
 
-The down GEMM (``down_tma``, prepared, not the engine's default: torch's grouped_mm is, until the GPU run
-``bash bench/gpu_session.sh moe-down-tma``; ``TANDEM_MOE_DOWN_IMPL=tma`` selects it) takes both operands
-through descriptors: its rows are already in sorted order, so the activation tile is a plain box too.
+The down GEMM (``down_tma``) takes both operands through descriptors: its rows are already in sorted order, so
+the activation tile is a plain box too. On the H200 (``python -m bench.moe_down_tma``) it beat torch's
+grouped_mm below 16k tokens (0.622 vs 0.652 ms at 8k) and lost slightly at 32k (2.02 vs 2.00): the engine runs
+it below ``prefill.TMA_LONG_PAIRS`` pairs (``TANDEM_MOE_DOWN_IMPL`` overrides).
 
 Weight tiles past a gate / up block's last column read the next rows of the [E*2I, H] view (or zeros past its
 end: TMA pads out-of-bounds boxes with zeros); those output columns are masked at the store, as in the
@@ -128,16 +129,17 @@ def _down_tma_kernel(
     tl.store(p_y, acc.to(Y.dtype.element_ty), mask=(o_m < end)[:, None] & (o_n < H)[None, :])
 
 
-def tma_usable(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether ``gate_up_tma`` can run here and was measured to win: Hopper or newer (TMA), 16-bit operands
-    (the fp32 tiles were never timed through it), a contiguous w13 with 16-byte rows."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w13.dtype == x.dtype):
+def tma_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the TMA kernels can run on activations ``x`` and expert weights ``w`` here and were measured to
+    win: Hopper or newer (TMA), 16-bit operands (the fp32 tiles were never timed through them), a contiguous
+    ``w`` with 16-byte rows (its last axis is the reduction)."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return (
         torch.cuda.get_device_capability(index) >= (9, 0)
-        and w13.is_contiguous()
-        and (w13.shape[-1] * w13.element_size()) % 16 == 0
+        and w.is_contiguous()
+        and (w.shape[-1] * w.element_size()) % 16 == 0
     )
 
 

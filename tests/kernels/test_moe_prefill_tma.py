@@ -56,9 +56,9 @@ def test_tma_gate_up_rejects_what_tma_cannot_read():
 
 
 def test_prefill_experts_take_the_tma_gate_up_where_usable(monkeypatch):
-    """``moe_experts_prefill``: "tma" and "pointer" give the same rows; "auto" takes the TMA kernel only where
-    ``tma_usable`` (Hopper, 16-bit, 16-byte rows), with 3 stages from ``TMA_LONG_PAIRS`` pairs unless tiles
-    are given; an unknown impl is refused by name."""
+    """``moe_experts_prefill``: "tma" and "pointer" give the same rows; "auto" takes the TMA kernels only where
+    ``tma_usable`` (Hopper, 16-bit, 16-byte rows): the gate-up with 3 stages from ``TMA_LONG_PAIRS`` pairs unless
+    tiles are given, the down GEMM below that count; an unknown impl is refused by name."""
     import kernels.moe.prefill as prefill
 
     x, w13, w2, _, ids = moe_problem(45, 8, 2, 64, 32, 7)
@@ -75,16 +75,18 @@ def test_prefill_experts_take_the_tma_gate_up_where_usable(monkeypatch):
     assert tma_usable(x.bfloat16(), w13.bfloat16()) == hopper
     assert not tma_usable(x.bfloat16()[:, :60], w13.bfloat16()[:, :, :60].contiguous())  # 120-byte rows
 
-    stages = []
-    real = prefill.gate_up_tma
+    stages, downs = [], []
+    real, real_down = prefill.gate_up_tma, prefill.down_tma
     monkeypatch.setattr(prefill, "gate_up_tma", lambda *a: stages.append(a[3].num_stages) or real(*a))
-    monkeypatch.setattr(prefill, "tma_usable", lambda x, w13: True)
+    monkeypatch.setattr(prefill, "down_tma", lambda *a: downs.append(a[0].shape[0]) or real_down(*a))
+    monkeypatch.setattr(prefill, "tma_usable", lambda x, w: True)
     monkeypatch.setattr(prefill, "TMA_LONG_PAIRS", 64)
     for t in (20, 45):  # 40 pairs, then 90; bf16 takes GATE_UP_TILES (4 stages)
         xx, ww13, ww2, _, ii = moe_problem(t, 8, 2, 64, 32, 8, torch.bfloat16)
         got = prefill.moe_experts_prefill(xx, moe_align(ii, 8), ww13, ww2, gate_up=None, down=tiles)
         assert got.shape == (ii.numel(), 64)
     assert stages == [4, 3]
+    assert downs == [40]  # the down GEMM through TMA below TMA_LONG_PAIRS only (above: grouped_mm / triton)
     prefill.moe_experts_prefill(x, al, w13, w2, gate_up=tiles, down=tiles)  # given tiles keep their stages
     assert stages == [4, 3, 2]
 
