@@ -11,15 +11,12 @@ kernel's. Tiles: the engine's (128 x 128 x 64, 8 warps) at 3 and 4 stages.
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from bench.gpu_kernels_check import kernel_ms
-from bench.mid import roofline
+from bench import moe_paths
+from bench.moe_paths import time_paths
 from bench.moe_prefill_sweep import HID, INTER, E, K
 from kernels.moe.grouped import moe_align
 from kernels.moe.prefill import GATE_UP_TILES, gate_up_fused
@@ -41,41 +38,16 @@ def workload(t: int, w13: torch.Tensor, peak: float) -> dict:
     for stages in (3, 4):
         tiles = replace(GATE_UP_TILES, num_stages=stages)
         paths[f"tma {stages} stages"] = lambda tiles=tiles: gate_up_tma(x, al, w13, tiles, tmap)
-    row: dict = {"tokens": t, "pairs": al.token.numel(), "paths": {}}
-    for name, fn in paths.items():
-        try:
-            err = ((fn().float() - want.float()).abs().max() / want.float().abs().max()).item()
-            ms = kernel_ms(fn, iters=10)
-        except Exception as exc:  # a form this Triton cannot compile: recorded, not fatal
-            row["paths"][name] = {"error": repr(exc)[:300]}
-            continue
-        row["paths"][name] = {"ms": ms, "of_peak": flops / (ms * 1e-3) / peak, "max_rel_diff": err}
-    return row
+    return {"tokens": t, "pairs": al.token.numel(), "paths": time_paths(paths, want, flops, peak)}
+
+
+def _weight(device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(0)
+    return (torch.randn(E, 2 * INTER, HID, generator=gen, device=device) * HID**-0.5).to(torch.bfloat16)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    p.add_argument("--out", type=Path, default=None)
-    a = p.parse_args(argv)
-    device = torch.device("cuda")
-    peak = roofline.matmul_peak_flops(device)["flops_per_s"]
-    gen = torch.Generator(device=device).manual_seed(0)
-    w13 = (torch.randn(E, 2 * INTER, HID, generator=gen, device=device) * HID**-0.5).to(torch.bfloat16)
-    res: dict = {"device": torch.cuda.get_device_name(), "matmul_flops_per_s": peak, "runs": []}
-    print(f"{res['device']}, bf16 matmul {peak / 1e12:.0f} TFLOP/s\n| tokens | path | ms | of peak | max rel diff |")
-    print("|---|---|---|---|---|")
-    for t in a.tokens:
-        row = workload(t, w13, peak)
-        res["runs"].append(row)
-        for name, r in row["paths"].items():
-            if "ms" in r:
-                print(f"| {t} | {name} | {r['ms']:.3f} | {r['of_peak']:.0%} | {r['max_rel_diff']:.2g} |", flush=True)
-            else:
-                print(f"| {t} | {name} | {r['error']} | | |", flush=True)
-    if a.out:
-        a.out.write_text(json.dumps(res, indent=1))
-    return 0
+    return moe_paths.main(__doc__, _weight, workload, argv)
 
 
 if __name__ == "__main__":
