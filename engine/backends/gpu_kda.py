@@ -410,9 +410,9 @@ class GPUKDABackend(KDABackend):
             out[m.dec_rows] = fused_recurrent_kda_slots(*sel, state_cache, m.dec_slots)
             for slot, dst in m.dec_copies:
                 state_cache[dst] = state_cache[slot]
+        extra = ({"qk_normalized": True} if qk_normalized else {}) | ({"gate": gate} if gate is not None else {})
         for rows, slots, cu, copies, needs_h in m.rounds:
             sel = (q, k, v, g, beta) if m.rows_are_all else (x[rows] for x in (q, k, v, g, beta))
-            extra = ({"qk_normalized": True} if qk_normalized else {}) | ({"gate": gate} if gate is not None else {})
             o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h, **extra)
             state_cache[slots] = final.to(state_cache.dtype)
             for kind, index, dst in copies:

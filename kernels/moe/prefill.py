@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign, grouped_gemm, grouped_mm_supported
 from kernels.moe.prefill_tma import down_tma, gate_up_tma, tma_usable
-from kernels.moe.tiles import GemmTiles, TileMap, fit_stages, fitted, tile_map, tiles_of
+from kernels.moe.tiles import GemmTiles, TileMap, fit_stages, fitted, tile_map, tile_slot, tiles_of
 from kernels.triton_utils import check_device, dot_config, mm
 
 # bench/moe_prefill_sweep.py on the H200 (docs/PERFORMANCE.md): of 21 gate-up / 36 down tiles at 8k tokens,
@@ -74,17 +74,13 @@ def _gate_up_tiles_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    slot = pid // num_n
-    e = tl.load(TILE_E + slot)
+    e, row0, end, n0 = tile_slot(TILE_E, TILE_ROW, ENDS, num_n, BLOCK_N)
     if e < 0:
         return
-    row0 = tl.load(TILE_ROW + slot)
-    end = tl.load(ENDS + e)
     o_m = row0 + tl.arange(0, BLOCK_M)
     m_m = o_m < end
     tok = tl.load(TOKEN + o_m, mask=m_m, other=0)
-    o_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < INTER
     o_k = tl.arange(0, BLOCK_K)
     p_x = X + tok[:, None] * stride_x + o_k[None, :]
@@ -134,16 +130,12 @@ def _down_tiles_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    slot = pid // num_n
-    e = tl.load(TILE_E + slot)
+    e, row0, end, n0 = tile_slot(TILE_E, TILE_ROW, ENDS, num_n, BLOCK_N)
     if e < 0:
         return
-    row0 = tl.load(TILE_ROW + slot)
-    end = tl.load(ENDS + e)
     o_m = row0 + tl.arange(0, BLOCK_M)
     m_m = o_m < end
-    o_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_n = n0 + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     o_k = tl.arange(0, BLOCK_K)
     p_a = A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :]

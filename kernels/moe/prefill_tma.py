@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.moe.grouped import MoEAlign
-from kernels.moe.tiles import GemmTiles, TileMap, fitted, tiles_of
+from kernels.moe.tiles import GemmTiles, TileMap, fitted, tile_slot, tiles_of
 from kernels.triton_utils import dot_config, mm
 
 
@@ -56,17 +56,12 @@ def _gate_up_tma_kernel(
     PREC: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    slot = pid // num_n
-    e = tl.load(TILE_E + slot)
+    e, row0, end, n0 = tile_slot(TILE_E, TILE_ROW, ENDS, num_n, BLOCK_N)
     if e < 0:
         return
-    row0 = tl.load(TILE_ROW + slot)
-    end = tl.load(ENDS + e)
     o_m = row0 + tl.arange(0, BLOCK_M)
     m_m = o_m < end
     tok = tl.load(TOKEN + o_m, mask=m_m, other=0)
-    n0 = (pid % num_n) * BLOCK_N
     o_n = n0 + tl.arange(0, BLOCK_N)
     g_row = e * 2 * INTER + n0
     o_k = tl.arange(0, BLOCK_K)
@@ -109,15 +104,10 @@ def _down_tma_kernel(
     # both operands by TMA: a tile's rows are contiguous in the sorted layout (no gather). Rows past the
     # expert's end (the next expert's, or zeros past N), weight rows past H (the next expert's) and the
     # reduction past I (zeros) only reach masked output cells or add zero products.
-    pid = tl.program_id(0)
-    slot = pid // num_n
-    e = tl.load(TILE_E + slot)
+    e, row0, end, n0 = tile_slot(TILE_E, TILE_ROW, ENDS, num_n, BLOCK_N)
     if e < 0:
         return
-    row0 = tl.load(TILE_ROW + slot)
-    end = tl.load(ENDS + e)
     o_m = row0 + tl.arange(0, BLOCK_M)
-    n0 = (pid % num_n) * BLOCK_N
     o_n = n0 + tl.arange(0, BLOCK_N)
     w_row = e * H + n0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

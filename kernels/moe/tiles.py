@@ -82,6 +82,19 @@ def _tile_map_kernel(
     tl.store(TILE_ROW + o_s, tl.where(live, row, 0), mask=o_s < S)
 
 
+@triton.jit
+def tile_slot(TILE_E, TILE_ROW, ENDS, num_n, BLOCK_N: tl.constexpr):
+    """The GEMM program's tile of a ``tile_map``, programs numbered (slot, column block) with ``num_n`` column
+    blocks a slot: (expert, -1 for an unused slot; its first row; the expert's end row; its first column).
+    The caller returns at once on expert -1."""
+    pid = tl.program_id(0)
+    slot = pid // num_n
+    e = tl.load(TILE_E + slot)
+    row0 = tl.load(TILE_ROW + slot)
+    end = tl.load(ENDS + tl.maximum(e, 0))
+    return e, row0, end, (pid % num_n) * BLOCK_N
+
+
 def tile_map(ends: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert, first row) of each BLOCK_M-row tile of the groups ending at ``ends`` [E] int32, over
     ``cdiv(num_rows, block_m) + E`` slots (a bound on the tile count; unused slots get expert -1)."""
@@ -113,4 +126,14 @@ def tiles_of(al: MoEAlign, n: int, block_m: int, given: TileMap | None) -> TileM
     return TileMap(block_m, ends, *tile_map(ends, n, block_m))
 
 
-__all__ = ["SMEM_HEADROOM", "GemmTiles", "TileMap", "fit_stages", "fitted", "smem_per_block", "tile_map", "tiles_of"]
+__all__ = [
+    "SMEM_HEADROOM",
+    "GemmTiles",
+    "TileMap",
+    "fit_stages",
+    "fitted",
+    "smem_per_block",
+    "tile_map",
+    "tile_slot",
+    "tiles_of",
+]
