@@ -59,7 +59,7 @@ def one_shot(tiny_models) -> dict[str, list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize(("budget", "page_size"), [(7, 16), (16, 16), (33, 16), (1024, 16), (7, 5), (1, 16)])
+@pytest.mark.parametrize(("budget", "page_size"), [(7, 16), (16, 16), (33, 16), (1024, 16), (7, 5), (1, 16), (33, 64)])
 def test_chunked_prefill_matches_one_shot(arch, model_dir, one_shot, budget, page_size):
     prompts = random_prompts(4, PROMPT_LENS, seed=3)
     eng = make_engine(model_dir, max_num_batched_tokens=budget, page_size=page_size)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_attention import mla_decode_tma
 from kernels.paged_attention.triton import LOG2E, SplitOutputs, _num_sms
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
@@ -163,6 +164,7 @@ def mla_decode_fwd(
     keys_major: bool | None = None,
     out: torch.Tensor | None = None,
     block_h: int | None = None,
+    latent_tma: bool | None = None,
 ) -> torch.Tensor:
     """Absorbed-MLA decode, all heads of a sequence per program: ``softmax((q_lat c^T + q_pe pe^T) scale) c``.
 
@@ -176,6 +178,9 @@ def mla_decode_fwd(
     keys per tile, ``num_warps`` 4, ``num_stages`` 2, ``keys_major`` False (heads-major), ``block_h`` the heads
     rounded up to a power of 2 (>= 16); a larger ``block_h`` pads the heads tile with rows that read no query
     (64 rows: the MMA shape Hopper's wgmma takes; on the H200 it lost to 32 rows, 1.40 vs 1.22 ms at 64 x 32k).
+    ``latent_tma`` True reads the latent pages through TMA (``mla_decode_tma.py``: key tiles of 1 or 2 whole
+    pages heads-major, one page keys-major). With none of the tile / warp / stage / form / TMA options given,
+    a cache of the page size the H200 sweep measured takes that sweep's launch (``measured_launch``).
     """
     check_device("mla_decode_fwd", q_lat, q_pe, latent_cache, block_tables, ctx_lens)
     if q_lat.ndim != 3 or q_pe.ndim != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
@@ -203,6 +208,11 @@ def mla_decode_fwd(
         out = q_lat.new_empty(b, h, r)
     elif out.shape != (b, h, r) or out.stride(2) != 1 or out.device != q_lat.device:
         raise ValueError(f"out must be [{b}, {h}, {r}] with a unit last stride on q's device, got {tuple(out.shape)}")
+    if (block_n, num_warps, num_stages, keys_major, latent_tma) == (None,) * 5:
+        measured = mla_decode_tma.measured_launch(latent_cache, r, p)
+        if measured:
+            block_n, num_warps, num_stages = measured["block_n"], measured["num_warps"], measured["num_stages"]
+            keys_major, latent_tma = measured["keys_major"], measured["latent_tma"]
     block_n = block_n or 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
@@ -217,6 +227,10 @@ def mla_decode_fwd(
         # 1 stage, in every sweep since the form was added (bench/mla_decode_sweep.py); the interpreter and
         # 2 or 3 stages agree with the reference, so the single-stage compile is refused rather than trusted
         raise ValueError("mla_decode_fwd: keys_major needs num_stages >= 2 on CUDA (1 stage miscompiled)")
+    if latent_tma:
+        refusal = mla_decode_tma.tma_refusal(latent_cache, r, p, block_n, keys_major)
+        if refusal:
+            raise ValueError(f"mla_decode_fwd: latent_tma: {refusal}")
     if num_splits is None:
         num_splits = mla_decode_splits(b, max_ctx, q_lat.device)
     if num_splits < 1:
@@ -228,6 +242,14 @@ def mla_decode_fwd(
     num_splits = -(-max(max_ctx, 1) // split_len)
 
     dot_f32, prec = dot_config(q_lat.dtype)
+    if latent_tma:  # one more split per sequence: its partial tile (mla_decode_tma.py)
+        split = SplitOutputs.of(out, num_splits + 1)
+        mla_decode_tma.launch(
+            q_lat, q_pe, latent_cache, split, block_tables, ctx_lens, scale * LOG2E, split_len, block_h, block_n,
+            keys_major, dot_f32, prec, num_warps, num_stages,
+        )  # fmt: skip
+        split.merge(out)
+        return out
     split = SplitOutputs.of(out, num_splits)
     _mla_decode_kernel[(b, num_splits)](
         q_lat,
