@@ -29,12 +29,36 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import mla_decode_tma
 from kernels.paged_attention.triton import LOG2E, SplitOutputs, _num_sms
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 MIN_SPLIT = 128  # keys per split at least (automatic splits)
 KEYS_PER_SPLIT = 1024  # automatic splits: at least one per this many keys
+
+
+@triton.jit
+def queries_and_state(
+    QL, QP, i_b, stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h,
+    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, KEYS_MAJOR: tl.constexpr,
+):  # fmt: skip
+    """Sequence ``i_b``'s queries q_lat [BLOCK_H, BLOCK_R] and q_pe [BLOCK_H, BLOCK_P] (transposed for the
+    keys-major form) and a fresh online-softmax state: the accumulator (o or o^T), the running max and sum."""
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_r = tl.arange(0, BLOCK_R)
+    o_p = tl.arange(0, BLOCK_P)
+    p_ql = QL + i_b * stride_ql_b + o_h[:, None] * stride_ql_h + o_r[None, :]
+    b_ql = tl.load(p_ql, mask=m_h[:, None] & (o_r < R)[None, :], other=0.0)
+    p_qp = QP + i_b * stride_qp_b + o_h[:, None] * stride_qp_h + o_p[None, :]
+    b_qp = tl.load(p_qp, mask=m_h[:, None] & (o_p < P)[None, :], other=0.0)
+    if KEYS_MAJOR:
+        b_ql = tl.trans(b_ql)  # [BLOCK_R, BLOCK_H]
+        b_qp = tl.trans(b_qp)  # [BLOCK_P, BLOCK_H]
+        b_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    return b_ql, b_qp, b_acc, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_H], tl.float32)
 
 
 @triton.jit
@@ -79,24 +103,15 @@ def _mla_decode_kernel(
     lo = i_s * split_len
     hi = tl.minimum(lo + split_len, ctx)
 
+    b_ql, b_qp, b_acc, b_m, b_l = queries_and_state(
+        QL, QP, i_b, stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, H, R, P, BLOCK_H, BLOCK_R, BLOCK_P, KEYS_MAJOR
+    )
     o_h = tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
     o_p = tl.arange(0, BLOCK_P)
     m_p = o_p < P
-    p_ql = QL + i_b * stride_ql_b + o_h[:, None] * stride_ql_h + o_r[None, :]
-    b_ql = tl.load(p_ql, mask=m_h[:, None] & m_r[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
-    p_qp = QP + i_b * stride_qp_b + o_h[:, None] * stride_qp_h + o_p[None, :]
-    b_qp = tl.load(p_qp, mask=m_h[:, None] & m_p[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
-    if KEYS_MAJOR:
-        b_qlt = tl.trans(b_ql)  # [BLOCK_R, BLOCK_H]
-        b_qpt = tl.trans(b_qp)  # [BLOCK_P, BLOCK_H]
-        b_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     for start in range(lo, hi, BLOCK_N):
         o_n = start + tl.arange(0, BLOCK_N)
@@ -107,7 +122,7 @@ def _mla_decode_kernel(
         b_pe = tl.load(LAT + off[:, None] + R + o_p[None, :], mask=m_n[:, None] & m_p[None, :], other=0.0)
         if KEYS_MAJOR:
             # [BLOCK_N, R] @ [R, BLOCK_H] + [BLOCK_N, P] @ [P, BLOCK_H] -> s^T [BLOCK_N, BLOCK_H]
-            b_s = mm(b_c, b_qlt, DOT_F32, PREC) + mm(b_pe, b_qpt, DOT_F32, PREC)
+            b_s = mm(b_c, b_ql, DOT_F32, PREC) + mm(b_pe, b_qp, DOT_F32, PREC)
             b_s = tl.where(m_n[:, None], b_s * qk_scale, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -182,6 +197,8 @@ def mla_decode_fwd(
     pages heads-major, one page keys-major). With none of the tile / warp / stage / form / TMA options given,
     a cache of the page size the H200 sweep measured takes that sweep's launch (``measured_launch``).
     """
+    from kernels.paged_attention import mla_decode_tma  # it builds on this module's query prologue
+
     check_device("mla_decode_fwd", q_lat, q_pe, latent_cache, block_tables, ctx_lens)
     if q_lat.ndim != 3 or q_pe.ndim != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
         raise ValueError(

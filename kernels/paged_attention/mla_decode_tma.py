@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.paged_attention.mla_decode import queries_and_state
 from kernels.triton_utils import mm
 
 
@@ -128,20 +129,12 @@ def _mla_decode_tma_kernel(
         lo = i_s * split_len
         hi = tl.minimum(lo + split_len, ctx_whole)
 
+    b_ql, b_qp, b_acc, b_m, b_l = queries_and_state(
+        QL, QP, i_b, stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, H, R, P, BLOCK_H, R, P, KEYS_MAJOR
+    )
     o_h = tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_r = tl.arange(0, R)
-    o_p = tl.arange(0, P)
-    b_ql = tl.load(QL + i_b * stride_ql_b + o_h[:, None] * stride_ql_h + o_r[None, :], mask=m_h[:, None], other=0.0)
-    b_qp = tl.load(QP + i_b * stride_qp_b + o_h[:, None] * stride_qp_h + o_p[None, :], mask=m_h[:, None], other=0.0)
-    if KEYS_MAJOR:
-        b_ql = tl.trans(b_ql)  # [R, BLOCK_H]
-        b_qp = tl.trans(b_qp)  # [P, BLOCK_H]
-        b_acc = tl.zeros([R, BLOCK_H], dtype=tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
-    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     bt_row = BT + i_b * stride_bt
     if is_tail:  # masked pointer loads, page by page; no loop to pipeline
