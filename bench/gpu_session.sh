@@ -27,8 +27,6 @@
 #   bash bench/gpu_session.sh moe-down-tma   # 1 x H200: the MoE down GEMM with both operands through TMA vs grouped_mm
 #                                            # and the pointer kernel (4 tiles); its tests; then prefill 8k / 32k
 #                                            # with TANDEM_MOE_DOWN_IMPL=grouped_mm and =auto (two processes)
-#   bash bench/gpu_session.sh mla-tma-ab     # 1 x H200: the MLA decode TMA tests, then decode b64 4k / 32k and prefill 8k
-#                                            # on pages of 64 with TANDEM_MLA_DECODE_TMA=1 / 0 and on the engine's 16
 #   bash bench/gpu_session.sh kda-gate-ab    # 1 x H200: the KDA gate inside fla's chunk cumsum (TANDEM_KDA_GATE_IN_CHUNK)
 #                                            # tests on the GPU, then prefill 8k / 32k without and with it
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
@@ -51,7 +49,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|mla-tma-ab|kda-gate-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -73,11 +71,6 @@ case "$step" in
     python -m bench.moe_down_tma --out "$OUT/moe_down_tma.json" | tee "$OUT/moe_down_tma.txt"
     for v in grouped_mm auto; do TANDEM_MOE_DOWN_IMPL=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 \
       --ctx 1024 --batches 1 --decode-steps 2 --repeat 3 --out "$OUT/mid_moe_down_$v.json" "$@"; done ;;
-  mla-tma-ab) python -m pytest -q -p no:cacheprovider tests/kernels/test_mla_decode_tma.py tests/kernels/test_gpu_backend.py \
-      -k tma | tee "$OUT/gpu_tests_mla_tma.txt"
-    for v in 64:1 64:0 16:1; do TANDEM_MLA_DECODE_TMA=${v#*:} python -m bench.gpu_mid --parts tandem --page-size ${v%:*} \
-      --prefill 8192 --ctx 4096 32768 --batches 64 --decode-steps 10 --repeat 2 --out "$OUT/mid_page${v%:*}_tma${v#*:}.json" "$@"
-    done ;;
   kda-gate-ab) python -m pytest -q -p no:cacheprovider tests/kernels/test_short_conv_planes.py -k "gated or engine_tokens" \
       | tee "$OUT/gpu_tests_kda_gate.txt"
     for v in 0 1; do TANDEM_KDA_GATE_IN_CHUNK=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 1024 \

@@ -29,14 +29,14 @@ from kernels.paged_attention.meta import build_attn_meta
 from kernels.paged_attention.mla_decode import mla_decode_fwd, mla_decode_splits
 from kernels.paged_attention.triton import attention_fwd, choose_splits
 
-HEADS, RANK, ROPE = 32, 512, 64
-KERNELS = ("general", "all_heads", "all_heads_tma")
+HEADS, RANK, ROPE, PAGE = 32, 512, 64, 16
+KERNELS = ("general", "all_heads")
 
 
-def _workload(batch: int, ctx: int, device: torch.device, gen: torch.Generator, page: int):
-    pages_per_seq = -(-ctx // page)
+def _workload(batch: int, ctx: int, device: torch.device, gen: torch.Generator):
+    pages_per_seq = -(-ctx // PAGE)
     num_pages = batch * pages_per_seq + 1
-    latent = torch.randn(num_pages, page, 1, RANK + ROPE, generator=gen, device=device).to(torch.bfloat16)
+    latent = torch.randn(num_pages, PAGE, 1, RANK + ROPE, generator=gen, device=device).to(torch.bfloat16)
     perm = torch.randperm(num_pages - 1, generator=gen, device=device)[: batch * pages_per_seq] + 1
     tables = perm.view(batch, pages_per_seq).to(torch.int32)
     q_lat = torch.randn(batch, HEADS, RANK, generator=gen, device=device).to(torch.bfloat16)
@@ -45,17 +45,10 @@ def _workload(batch: int, ctx: int, device: torch.device, gen: torch.Generator, 
 
 
 def sweep(
-    batch: int,
-    ctx: int,
-    device: torch.device,
-    copy_bw: float,
-    general: str = "sweep",
-    block_hs: tuple = (32,),
-    page: int = 16,
-    tma: str = "off",
+    batch: int, ctx: int, device: torch.device, copy_bw: float, general: str = "sweep", block_hs: tuple = (32,)
 ) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
-    latent, tables, q_lat, q_pe = _workload(batch, ctx, device, gen, page)
+    latent, tables, q_lat, q_pe = _workload(batch, ctx, device, gen)
     scale = (128 + 64) ** -0.5
     kv, k_pe = latent[..., :RANK], latent[..., RANK:]
 
@@ -126,8 +119,9 @@ def sweep(
         lambda: lambda: mla_decode_fwd(q_lat, q_pe, latent[:, :, 0], tables, ctx_t, ctx, scale),
     )
     seen = set()
-    pointer_grid = itertools.product(block_hs, (False, True), (16, 32, 64), (4, 8, 16), (1, 2, 3), (1, 2, 4))
-    for block_h, keys_major, block_n, warps, stages, split_mult in pointer_grid if tma != "only" else ():
+    for block_h, keys_major, block_n, warps, stages, split_mult in itertools.product(
+        block_hs, (False, True), (16, 32, 64), (4, 8, 16), (1, 2, 3), (1, 2, 4)
+    ):
         if keys_major and (block_n == 16 or stages == 1):
             # 16 rows: too small an M for tensor cores; 1 stage: refused by mla_decode_fwd (miscompiled)
             continue
@@ -166,8 +160,6 @@ def sweep(
             )
 
         measure(cfg, make)
-    if tma != "off":
-        tma_grid(measure, q_lat, q_pe, latent[:, :, 0], tables, ctx_t, ctx, scale, page, ah_auto, max_splits)
 
     ok = [r for r in rows if "ms" in r]
     want_splits = max(1, min(auto_splits, max_splits))
@@ -192,32 +184,6 @@ def sweep(
     }
 
 
-def tma_grid(measure, q_lat, q_pe, latent, tables, ctx_t, ctx, scale, page, auto_splits, max_splits) -> None:
-    """The latent pages through TMA (kernels/paged_attention/mla_decode_tma.py): heads-major over 1 or 2 pages
-    a key tile, keys-major over one page (its M: pages of at least 32 rows)."""
-    seen = set()
-    for keys_major, tile_pages, warps, stages, split_mult in itertools.product(
-        (False, True), (1, 2), (4, 8), (2, 3), (1, 2, 4)
-    ):
-        block_n = page * tile_pages
-        if (keys_major and (tile_pages != 1 or page < 32)) or not 16 <= block_n <= 64:
-            continue
-        splits = min(max(1, auto_splits * split_mult), max_splits)
-        if (keys_major, block_n, warps, stages, splits) in seen:
-            continue
-        seen.add((keys_major, block_n, warps, stages, splits))
-        cfg = {"kernel": "all_heads_tma", "page": page, "keys_major": keys_major, "block_n": block_n}
-        cfg |= {"warps": warps, "stages": stages, "splits": splits}
-
-        def make(keys_major=keys_major, block_n=block_n, warps=warps, stages=stages, splits=splits):
-            out = torch.empty_like(q_lat)
-            call = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-            call |= dict(keys_major=keys_major, out=out, latent_tma=True)
-            return lambda: mla_decode_fwd(q_lat, q_pe, latent, tables, ctx_t, ctx, scale, **call)
-
-        measure(cfg, make)
-
-
 def _fmt(r: dict | None) -> str:
     if r is None:
         return "none ran"
@@ -235,10 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--block-h", type=int, nargs="*", default=[32], help="all-heads kernel: heads tile rows (64 pads 32 heads)"
     )
-    p.add_argument("--page", type=int, default=16, help="latent cache page size (the engine's: 16)")
-    p.add_argument(
-        "--tma", choices=("off", "also", "only"), default="off", help="the TMA kernel's grid (only: not the pointer's)"
-    )
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device("cuda")
@@ -246,13 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     res = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw, "workloads": []}
     for w in a.workloads:
         b, c = (int(x) for x in w.split("x"))
-        r = sweep(b, c, device, copy_bw, a.general, tuple(a.block_h), a.page, a.tma)
+        r = sweep(b, c, device, copy_bw, a.general, tuple(a.block_h))
         res["workloads"].append(r)
         best = r["best_per_kernel"]
         print(
             f"== {w}: default {_fmt(r['default'])}; best general {_fmt(best['general'])}; "
-            f"all_heads default {_fmt(r['all_heads_default'])}; best all_heads {_fmt(best['all_heads'])}; "
-            f"best TMA {_fmt(best['all_heads_tma'])}",
+            f"all_heads default {_fmt(r['all_heads_default'])}; best all_heads {_fmt(best['all_heads'])}",
             flush=True,
         )
         if a.out:

@@ -15,9 +15,7 @@ on the GPU). What it showed with Triton 3.9 (docs/PERFORMANCE.md, sixteenth sess
   H200 failed an assertion in its warp-specialization pass, so the variant no longer takes it.
 - MLA decode as the engine launches it (heads-major, 32-key tiles, 4 warps): no wgmma (the MMA's M is the 32
   heads), 255 registers and spills; at 16 warps 102 registers and none; keys-major reaches wgmma at 184 KB of
-  shared memory. With the latent pages through TMA (eighteenth session): heads-major over the engine's 16-row
-  pages still 255 registers and more spills (the tiles meet ``mma.sync`` from registers); keys-major over
-  pages of 64 rows: 249 registers, no spills, wgmma, 6 TMA copies and no ``cp.async``.
+  shared memory.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.moe import prefill, prefill_tma
-from kernels.paged_attention import mla_decode, mla_decode_tma
+from kernels.paged_attention import mla_decode
 
 INSTRUCTIONS = ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.cg", "setmaxnreg")
 _COMMON = {"X": "*bf16", "TOKEN": "*i64", "ENDS": "*i32", "TILE_E": "*i32", "TILE_ROW": "*i32"}
@@ -144,31 +142,6 @@ def mla_cases() -> dict[str, dict]:
         form = "keys-major" if keys_major else "heads-major"
         out[f"MLA decode {form}, {block_n}-key tiles, {warps} warps"] = report(
             mla_decode._mla_decode_kernel, dict(sig), ce, (*list(sig)[:7], *strides), warps, 2
-        )
-    return out | mla_tma_cases()
-
-
-def mla_tma_cases() -> dict[str, dict]:
-    """The same decode with the latent pages through TMA (mla_decode_tma.py): heads-major over two of the
-    engine's 16-row pages a key tile, and keys-major over one page of 64 rows (both MMAs' M >= 64)."""
-    strides = ("stride_ql_b", "stride_ql_h", "stride_qp_b", "stride_qp_h", "stride_lat_p", "stride_lat_s")
-    strides += ("stride_o_x", "stride_o_b", "stride_o_h", "stride_l_x", "stride_l_b", "stride_bt")
-    out = {}
-    for page, pages, keys_major, warps in ((16, 2, False, 4), (16, 2, False, 8), (64, 1, True, 8)):
-        sig = {n: "*bf16" for n in ("QL", "QP")}
-        sig |= {"C_DESC": f"tensordesc<bf16[1, {page}, 512]>", "PE_DESC": f"tensordesc<bf16[1, {page}, 64]>"}
-        sig |= {"LAT": "*bf16", "OUT": "*bf16", "LSE": "*fp32", "BT": "*i32", "CTX": "*i32", "qk_scale": "fp32"}
-        sig |= {n: "i32" for n in (*strides, "split_len")}
-        ce = {"H": 32, "PAGE_SIZE": page, "R": 512, "P": 64, "BLOCK_H": 32, "TILE_PAGES": pages}
-        ce |= {"KEYS_MAJOR": keys_major, "DOT_F32": False, "PREC": "tf32", "NUM_STAGES": 2}
-        form = "keys-major" if keys_major else "heads-major"
-        out[f"MLA decode TMA {form}, pages of {page}, {page * pages}-key tiles, {warps} warps"] = report(
-            mla_decode_tma._mla_decode_tma_kernel,
-            sig,
-            ce,
-            ("QL", "QP", "LAT", "OUT", "LSE", "BT", "CTX", *strides),
-            warps,
-            2,
         )
     return out
 

@@ -37,31 +37,6 @@ KEYS_PER_SPLIT = 1024  # automatic splits: at least one per this many keys
 
 
 @triton.jit
-def queries_and_state(
-    QL, QP, i_b, stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h,
-    H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, KEYS_MAJOR: tl.constexpr,
-):  # fmt: skip
-    """Sequence ``i_b``'s queries q_lat [BLOCK_H, BLOCK_R] and q_pe [BLOCK_H, BLOCK_P] (transposed for the
-    keys-major form) and a fresh online-softmax state: the accumulator (o or o^T), the running max and sum."""
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    o_r = tl.arange(0, BLOCK_R)
-    o_p = tl.arange(0, BLOCK_P)
-    p_ql = QL + i_b * stride_ql_b + o_h[:, None] * stride_ql_h + o_r[None, :]
-    b_ql = tl.load(p_ql, mask=m_h[:, None] & (o_r < R)[None, :], other=0.0)
-    p_qp = QP + i_b * stride_qp_b + o_h[:, None] * stride_qp_h + o_p[None, :]
-    b_qp = tl.load(p_qp, mask=m_h[:, None] & (o_p < P)[None, :], other=0.0)
-    if KEYS_MAJOR:
-        b_ql = tl.trans(b_ql)  # [BLOCK_R, BLOCK_H]
-        b_qp = tl.trans(b_qp)  # [BLOCK_P, BLOCK_H]
-        b_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
-    return b_ql, b_qp, b_acc, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_H], tl.float32)
-
-
-@triton.jit
 def _mla_decode_kernel(
     QL,
     QP,
@@ -103,15 +78,24 @@ def _mla_decode_kernel(
     lo = i_s * split_len
     hi = tl.minimum(lo + split_len, ctx)
 
-    b_ql, b_qp, b_acc, b_m, b_l = queries_and_state(
-        QL, QP, i_b, stride_ql_b, stride_ql_h, stride_qp_b, stride_qp_h, H, R, P, BLOCK_H, BLOCK_R, BLOCK_P, KEYS_MAJOR
-    )
     o_h = tl.arange(0, BLOCK_H)
     m_h = o_h < H
     o_r = tl.arange(0, BLOCK_R)
     m_r = o_r < R
     o_p = tl.arange(0, BLOCK_P)
     m_p = o_p < P
+    p_ql = QL + i_b * stride_ql_b + o_h[:, None] * stride_ql_h + o_r[None, :]
+    b_ql = tl.load(p_ql, mask=m_h[:, None] & m_r[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    p_qp = QP + i_b * stride_qp_b + o_h[:, None] * stride_qp_h + o_p[None, :]
+    b_qp = tl.load(p_qp, mask=m_h[:, None] & m_p[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
+    if KEYS_MAJOR:
+        b_qlt = tl.trans(b_ql)  # [BLOCK_R, BLOCK_H]
+        b_qpt = tl.trans(b_qp)  # [BLOCK_P, BLOCK_H]
+        b_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    else:
+        b_acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
 
     for start in range(lo, hi, BLOCK_N):
         o_n = start + tl.arange(0, BLOCK_N)
@@ -122,7 +106,7 @@ def _mla_decode_kernel(
         b_pe = tl.load(LAT + off[:, None] + R + o_p[None, :], mask=m_n[:, None] & m_p[None, :], other=0.0)
         if KEYS_MAJOR:
             # [BLOCK_N, R] @ [R, BLOCK_H] + [BLOCK_N, P] @ [P, BLOCK_H] -> s^T [BLOCK_N, BLOCK_H]
-            b_s = mm(b_c, b_ql, DOT_F32, PREC) + mm(b_pe, b_qp, DOT_F32, PREC)
+            b_s = mm(b_c, b_qlt, DOT_F32, PREC) + mm(b_pe, b_qpt, DOT_F32, PREC)
             b_s = tl.where(m_n[:, None], b_s * qk_scale, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_s, 0))
             b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
@@ -179,7 +163,6 @@ def mla_decode_fwd(
     keys_major: bool | None = None,
     out: torch.Tensor | None = None,
     block_h: int | None = None,
-    latent_tma: bool | None = None,
 ) -> torch.Tensor:
     """Absorbed-MLA decode, all heads of a sequence per program: ``softmax((q_lat c^T + q_pe pe^T) scale) c``.
 
@@ -193,12 +176,7 @@ def mla_decode_fwd(
     keys per tile, ``num_warps`` 4, ``num_stages`` 2, ``keys_major`` False (heads-major), ``block_h`` the heads
     rounded up to a power of 2 (>= 16); a larger ``block_h`` pads the heads tile with rows that read no query
     (64 rows: the MMA shape Hopper's wgmma takes; on the H200 it lost to 32 rows, 1.40 vs 1.22 ms at 64 x 32k).
-    ``latent_tma`` True reads the latent pages through TMA (``mla_decode_tma.py``: key tiles of 1 or 2 whole
-    pages heads-major, one page keys-major). With none of the tile / warp / stage / form / TMA options given,
-    a cache of the page size the H200 sweep measured takes that sweep's launch (``measured_launch``).
     """
-    from kernels.paged_attention import mla_decode_tma  # it builds on this module's query prologue
-
     check_device("mla_decode_fwd", q_lat, q_pe, latent_cache, block_tables, ctx_lens)
     if q_lat.ndim != 3 or q_pe.ndim != 3 or q_pe.shape[:2] != q_lat.shape[:2]:
         raise ValueError(
@@ -225,11 +203,6 @@ def mla_decode_fwd(
         out = q_lat.new_empty(b, h, r)
     elif out.shape != (b, h, r) or out.stride(2) != 1 or out.device != q_lat.device:
         raise ValueError(f"out must be [{b}, {h}, {r}] with a unit last stride on q's device, got {tuple(out.shape)}")
-    if (block_n, num_warps, num_stages, keys_major, latent_tma) == (None,) * 5:
-        measured = mla_decode_tma.measured_launch(latent_cache, r, p)
-        if measured:
-            block_n, num_warps, num_stages = measured["block_n"], measured["num_warps"], measured["num_stages"]
-            keys_major, latent_tma = measured["keys_major"], measured["latent_tma"]
     block_n = block_n or 32
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of 2 >= 16, got {block_n}")
@@ -244,10 +217,6 @@ def mla_decode_fwd(
         # 1 stage, in every sweep since the form was added (bench/mla_decode_sweep.py); the interpreter and
         # 2 or 3 stages agree with the reference, so the single-stage compile is refused rather than trusted
         raise ValueError("mla_decode_fwd: keys_major needs num_stages >= 2 on CUDA (1 stage miscompiled)")
-    if latent_tma:
-        refusal = mla_decode_tma.tma_refusal(latent_cache, r, p, block_n, keys_major)
-        if refusal:
-            raise ValueError(f"mla_decode_fwd: latent_tma: {refusal}")
     if num_splits is None:
         num_splits = mla_decode_splits(b, max_ctx, q_lat.device)
     if num_splits < 1:
@@ -259,14 +228,6 @@ def mla_decode_fwd(
     num_splits = -(-max(max_ctx, 1) // split_len)
 
     dot_f32, prec = dot_config(q_lat.dtype)
-    if latent_tma:  # one more split per sequence: its partial tile (mla_decode_tma.py)
-        split = SplitOutputs.of(out, num_splits + 1)
-        mla_decode_tma.launch(
-            q_lat, q_pe, latent_cache, split, block_tables, ctx_lens, scale * LOG2E, split_len, block_h, block_n,
-            keys_major, dot_f32, prec, num_warps, num_stages,
-        )  # fmt: skip
-        split.merge(out)
-        return out
     split = SplitOutputs.of(out, num_splits)
     _mla_decode_kernel[(b, num_splits)](
         q_lat,

@@ -373,32 +373,3 @@ def test_engine_tokens_match_reference_through_the_moe_prefill_kernels(tiny_mode
     expected = [o.output_token_ids for o in ref.generate(prompts, params)]
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == expected
     assert ran  # the path under test ran
-
-
-def test_mla_decode_steps_through_the_tma_kernel_match_reference(monkeypatch):
-    """Decode rows over pages of 64 with the MLA decode through the TMA kernel, keys-major (the launch the H200
-    measured for that page size; off CUDA its gate is stood in for), as the backend builds the step's metadata:
-    the same output as the reference backend. On CUDA the gate is the real one (bf16 there only: fp32 stays on
-    the pointer kernel)."""
-    from kernels.paged_attention import mla_decode_tma
-
-    launches = []
-    real = mla_decode_tma.launch
-    if not ON_CUDA:
-        monkeypatch.setattr(
-            mla_decode_tma, "measured_launch",
-            lambda *a: dict(latent_tma=True, keys_major=True, block_n=64, num_warps=8, num_stages=2),
-        )  # fmt: skip
-    monkeypatch.setattr(mla_decode_tma, "launch", lambda *a: launches.append(1) or real(*a))
-    page_size, num_pages = 64, 12
-    dtype = torch.bfloat16 if ON_CUDA else torch.float32
-    batch = make_batch([1, 1, 1, 1], [1, 64, 65, 300], page_size, num_pages)
-    gpu, ref = GPUAttentionBackend(), TorchAttentionBackend()
-    torch.manual_seed(0)
-    dims = MLADims(kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
-    lat = torch.randn(num_pages, page_size, 80, device=DEVICE).to(dtype)
-    kv_b = (torch.randn(4 * 32, 64, device=DEVICE) * 0.2).to(dtype)
-    q = torch.randn(4, 4, 32, device=DEVICE).to(dtype)
-    want, got = ref.mla(q, lat, batch, kv_b, dims, 0.2), gpu.mla(q, lat, batch, kv_b, dims, 0.2)
-    assert_close("mla decode over pages of 64", want.float(), got.float(), tol(dtype))
-    assert launches == [1]
