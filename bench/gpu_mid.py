@@ -59,7 +59,7 @@ def _engine(a: argparse.Namespace, device: str, dtype: str, **kw: Any) -> LLMEng
         max_num_batched_tokens=max(a.prefill),
         max_model_len=longest + a.decode_steps + 64,
         kv_cache_memory_bytes=a.kv_bytes,
-        page_size=a.page_size,
+        **({"page_size": a.page_size} if a.page_size else {}),
         **kw,
     )
     return LLMEngine(cfg)
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--kv-gib", type=float, default=16.0, help="KV + KDA state budget on the GPU")
-    p.add_argument("--page-size", type=int, default=16, help="KV page size (64: MLA decode keys-major through TMA)")
+    p.add_argument("--page-size", type=int, default=None, help="KV page size (default: EngineConfig's)")
     p.add_argument("--parts", nargs="*", default=["tandem", "hf"], choices=("tandem", "hf"))
     p.add_argument("--merge", type=Path, nargs="*", default=None, help="only render these result JSONs as one")
     p.add_argument("--hf-decode-steps", type=int, default=5)
