@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
+from kernels.flashmla.decode import flashmla_decode_fwd, use_flashmla
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.mla_decode import mla_decode_fwd
 from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable, mla_keys_values
@@ -59,7 +60,10 @@ def mla_absorbed(
     # [H, T, nope] @ [H, nope, R] -> [H, T, R]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1).contiguous()
     q_pe = q_pe.contiguous()
-    if _all_heads_decode(meta) and num_splits is None and block_n is None:
+    decode = _all_heads_decode(meta) and num_splits is None and block_n is None
+    if decode and use_flashmla(latent_cache, h):
+        o_lat = flashmla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, scale)
+    elif decode:
         o_lat = mla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, meta.max_ctx, scale)
     else:
         lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]

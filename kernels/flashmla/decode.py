@@ -1,0 +1,134 @@
+"""Absorbed-MLA decode through FlashMLA's sm90 split-KV kernel: the same contract as
+``kernels.paged_attention.mla_decode.mla_decode_fwd`` (which stays the reference-checked Triton path and the
+fallback), for bf16 latent caches in pages of 64 on Hopper.
+
+Why a library kernel here: the Triton all-heads kernel reads the latent at ~46 % of the H200's copy bandwidth
+at 64 x 32k (docs/PERFORMANCE.md, eighteenth session); FlashMLA's warp-specialised TMA + wgmma pipeline is
+the kernel vLLM and SGLang run for this exact shape (one latent "KV head", 512 + 64 dims).
+
+``TANDEM_MLA_DECODE_IMPL``: ``auto`` (default: FlashMLA for every decode launch it can take — bf16 latent in
+pages of 64 on sm90 — when its extension is built or buildable, else Triton; the choice is logged once),
+``triton``, or ``flashmla`` (forced: an unusable cache or a failed build raises instead of falling back).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from kernels.flashmla.build import load_flashmla, missing_sources, source_dir
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE = 64  # FlashMLA's dense kernel reads whole 64-row pages (TORCH_CHECK in its interface)
+RANK, ROPE = 512, 64
+
+
+def mla_decode_impl() -> str:
+    impl = os.environ.get("TANDEM_MLA_DECODE_IMPL", "auto")
+    if impl not in ("auto", "triton", "flashmla"):
+        raise ValueError(f"TANDEM_MLA_DECODE_IMPL must be 'auto', 'triton' or 'flashmla', got {impl!r}")
+    return impl
+
+
+@functools.cache
+def _flashmla_loads() -> bool:
+    """Auto mode: is the extension importable here (prebuilt, or built now from the pinned sources)?"""
+    if not os.environ.get("TANDEM_FLASHMLA_SO") and missing_sources(source_dir()):
+        log.info("MLA decode: Triton (no FlashMLA build or sources at %s)", source_dir())
+        return False
+    try:
+        load_flashmla()
+    except Exception as e:  # a failed build must not take the decode service down: Triton is exact too
+        log.warning("MLA decode: Triton (FlashMLA failed to build or load: %s)", str(e).splitlines()[0])
+        return False
+    log.info("MLA decode: FlashMLA (sm90 dense decode)")
+    return True
+
+
+def use_flashmla(latent_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether a decode launch over this cache goes to FlashMLA (``TANDEM_MLA_DECODE_IMPL``)."""
+    impl = mla_decode_impl()
+    if impl != "auto":
+        return impl == "flashmla"
+    return flashmla_unusable(latent_cache, num_heads) is None and _flashmla_loads()
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def flashmla_unusable(latent_cache: torch.Tensor, num_heads: int) -> str | None:
+    """Why FlashMLA cannot take this cache (None: it can)."""
+    if not latent_cache.is_cuda:
+        return "the latent cache is not on a CUDA device"
+    major, minor = _capability(latent_cache.device)
+    if (major, minor) != (9, 0):
+        return f"FlashMLA's dense decode needs sm90, this GPU is sm{major}{minor}"
+    if latent_cache.dtype != torch.bfloat16:
+        return f"the latent cache is {latent_cache.dtype}, the build is bf16 only"
+    if latent_cache.ndim != 3 or latent_cache.shape[1:] != (PAGE_SIZE, RANK + ROPE):
+        return f"the latent cache must be [pages, {PAGE_SIZE}, {RANK + ROPE}], got {tuple(latent_cache.shape)}"
+    if latent_cache.stride(2) != 1:
+        return "the latent cache needs a unit stride on its last axis"
+    if num_heads > 128:
+        return f"{num_heads} query heads (FlashMLA takes up to 128 per latent head)"
+    return None
+
+
+def flashmla_decode_fwd(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``softmax((q_lat c^T + q_pe pe^T) scale) c`` for one query per sequence, as ``mla_decode_fwd``.
+
+    q_lat [B, H, 512], q_pe [B, H, 64] bf16; latent_cache [num_pages, 64, 576]; block_tables [B, max_pages]
+    int32; ctx_lens [B] int32 on the device (read there: no host sync, so a CUDA graph can replay it with new
+    lengths — FlashMLA plans its splits from them in a kernel of its own each call). Returns o_lat [B, H, 512].
+    """
+    b, h, r = q_lat.shape
+    why = flashmla_unusable(latent_cache, h)
+    if why is not None:
+        raise ValueError(f"flashmla_decode_fwd: {why}")
+    if q_pe.shape != (b, h, ROPE) or r != RANK or q_lat.dtype != latent_cache.dtype or q_pe.dtype != q_lat.dtype:
+        raise ValueError(
+            f"q_lat {q_lat.dtype} {tuple(q_lat.shape)} / q_pe {q_pe.dtype} {tuple(q_pe.shape)} must be "
+            f"[B, H, {RANK}] / [B, H, {ROPE}] in the cache's {latent_cache.dtype}"
+        )
+    if block_tables.dtype != torch.int32 or block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(
+            f"block_tables must be int32 [{b}, max_pages], got {block_tables.dtype} {tuple(block_tables.shape)}"
+        )
+    if ctx_lens.dtype != torch.int32 or ctx_lens.shape != (b,):
+        raise ValueError(f"ctx_lens must be int32 [{b}], got {ctx_lens.dtype} {tuple(ctx_lens.shape)}")
+    if b == 0:
+        return q_lat.new_empty(0, h, r) if out is None else out
+    q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # [B, 1, H, 576]: FlashMLA's q layout
+    o, _lse, _meta, _splits = load_flashmla().dense_decode_fwd(
+        q,
+        latent_cache.unsqueeze(2),  # [pages, 64, 1 latent head, 576]
+        r,
+        ctx_lens.contiguous(),
+        block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous(),
+        float(scale),
+        False,
+        None,
+        None,
+    )
+    o = o.view(b, h, r)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+__all__ = ["PAGE_SIZE", "flashmla_decode_fwd", "flashmla_unusable", "mla_decode_impl", "use_flashmla"]
