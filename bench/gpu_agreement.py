@@ -5,6 +5,7 @@ graphs, graphs + overlapped scheduling) against the GPU's own prefill path on th
 (the decode step and the prefill must pick the same token from the same prefix, short of near-ties).
 
     python -m bench.gpu_agreement [--prompts 32] [--tokens 64] [--dtype bfloat16] [--arch kimi_linear qwen3]
+    python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --page-size 64   # decode through FlashMLA
 """
 
 from __future__ import annotations
@@ -36,20 +37,25 @@ def agreement(
     dtype: str = "bfloat16",
     device: str = "cuda",
     prompt_lens: tuple[int, int] = (8, 200),
+    preset: str = "tiny",
+    page_size: int = 16,
 ) -> dict[str, float]:
-    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch))
+    model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch, preset=preset))
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(4, 500, (int(torch.randint(*prompt_lens, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n_prompts)
     ]
     greedy = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
-    cpu = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", cpu_threads=8))
+    cpu = LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", cpu_threads=8, page_size=page_size))
     ref = [r.output_token_ids for r in cpu.generate(prompts, greedy)]
     res: dict[str, float] = {}
     gpu = None
     for mode, flags in MODES.items():
-        eng = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, kv_cache_memory_bytes=2 << 30, **flags))
+        cfg = EngineConfig(
+            model=model, device=device, dtype=dtype, kv_cache_memory_bytes=2 << 30, page_size=page_size, **flags
+        )
+        eng = LLMEngine(cfg)
         outs = [r.output_token_ids for r in eng.generate(prompts, greedy)]
         # the decode path vs this engine's own prefill path on the same tokens
         same = sum(
@@ -88,11 +94,13 @@ def main() -> None:
     ap.add_argument(
         "--prompt-lens", type=int, nargs=2, default=(8, 200), metavar=("LO", "HI"), help="prompt lengths in [LO, HI)"
     )
+    ap.add_argument("--preset", default="tiny", help="engine/tiny_model.py preset (mla512: FlashMLA's MLA dims)")
+    ap.add_argument("--page-size", type=int, default=16)
     a = ap.parse_args()
     for arch in a.arch:
-        r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device, tuple(a.prompt_lens))
+        r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device, tuple(a.prompt_lens), a.preset, a.page_size)
         print(
-            f"{arch} {a.dtype}: "
+            f"{arch} {a.preset} page {a.page_size} {a.dtype}: "
             + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
             flush=True,
         )

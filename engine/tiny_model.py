@@ -19,8 +19,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SUPPORTED_TINY_ARCHS = ("kimi_linear", "qwen3")
-SUPPORTED_PRESETS = ("tiny", "deep")
-"""'deep': 8 layers and 4 attention / KDA heads, so both families run pp up to 8 and tp up to 4."""
+SUPPORTED_PRESETS = ("tiny", "deep", "mla512")
+"""'deep': 8 layers and 4 attention / KDA heads, so both families run pp up to 8 and tp up to 4.
+'mla512' (Kimi-Linear only): the tiny model with the real MLA latent (kv_lora_rank 512, rope 64), the one
+shape FlashMLA's decode kernel takes (bench/gpu_agreement.py --preset mla512 --page-size 64)."""
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|im_end|>", "<|im_start|>")  # ids 0..3
@@ -162,6 +164,11 @@ def _qwen3_config(dtype: str) -> dict[str, Any]:
 
 
 def _apply_preset(cfg: dict[str, Any], preset: str) -> None:
+    if preset == "mla512":
+        if cfg["model_type"] != "kimi_linear":
+            raise ValueError("preset 'mla512' is for kimi_linear (Qwen3 has no MLA)")
+        cfg["kv_lora_rank"], cfg["qk_rope_head_dim"] = 512, 64
+        return
     if preset != "deep":
         return
     cfg["num_hidden_layers"] = 8

@@ -52,3 +52,20 @@ def test_greedy_generation_matches_transformers_generate(arch, model_dir, hf_mod
                 pad_token_id=0,
             )[0, len(prompt) :].tolist()
         assert out.output_token_ids == ref, f"{arch} prompt len {len(prompt)} diverges"
+
+
+def test_mla512_preset_in_pages_of_64_matches_transformers(tmp_path):
+    """The checkpoint FlashMLA's GPU check runs (real MLA latent 512 + 64, pages of 64): on the CPU reference
+    path, greedy tokens equal HF's, so a GPU disagreement there is the GPU's."""
+    from engine.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "mla512", arch="kimi_linear", preset="mla512")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(3, [5, 70, 130], seed=3)
+    engine = make_engine(model_dir, page_size=64, max_num_batched_tokens=128)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert out.output_token_ids == ref[0, len(prompt) :].tolist(), f"prompt len {len(prompt)} diverges"

@@ -175,3 +175,11 @@ def test_hf_tokenizer(models_dir: dict[str, Path], arch: str) -> None:
     assert tok.decode(ids) == text
     gen = json.loads((models_dir[arch] / "generation_config.json").read_text())
     assert gen == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def test_mla512_preset(tmp_path: Path) -> None:
+    """The real MLA latent on the tiny Kimi model; Qwen3 has no MLA to widen."""
+    cfg = json.loads((make_tiny_model(tmp_path / "k", arch="kimi_linear", preset="mla512") / "config.json").read_text())
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
+    with pytest.raises(ValueError, match="mla512"):
+        make_tiny_model(tmp_path / "q", arch="qwen3", preset="mla512")
