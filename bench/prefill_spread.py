@@ -2,6 +2,7 @@
 
     python -m bench.prefill_spread --lengths 8192 --runs 15 --out /tmp/prefill_spread.json   # on the H200
     python -m bench.prefill_spread --tiny --lengths 256 --runs 3                             # on the host
+    python -m bench.prefill_spread --tiny --lengths 8192 --host-prefix --runs 30              # any machine
 
 The 8k step's wall time has varied by ~1.5 ms between processes on the same kernels (docs/PERFORMANCE.md,
 nineteenth session); its host prefix (schedule, prepare, the first launches) is serial with the GPU. Each run
@@ -11,6 +12,10 @@ the whole ``execute`` enqueue. Variants, in one process, interleaved run by run:
 defaults) and ``frozen`` (``gc.freeze()`` after warm-up: the engine's long-lived objects leave the collector's
 generations, as vLLM and SGLang do after start-up). Reported per variant: median / min / max wall, MFU of the
 median against the matmul peak measured here, GC time and collections per run, prepare and enqueue medians.
+
+``--host-prefix``: only the serial host work before a lone prompt's first kernel — ``add_request``
+(validation), ``schedule`` and the runner's ``prepare`` — medians over ``--runs``, the model never run (each
+request is aborted); device-independent, so it runs on the CPU host too.
 """
 
 from __future__ import annotations
@@ -119,6 +124,26 @@ def measure(eng: LLMEngine, length: int, runs: int, peak: float) -> dict[str, An
     return out
 
 
+def host_prefix(eng: LLMEngine, length: int, runs: int) -> dict[str, float]:
+    ids = tandem_bench.prompt(length, eng.model_config.vocab_size, length)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    parts: dict[str, list[float]] = {"add_request": [], "schedule": [], "prepare": []}
+    for i in range(runs + 5):  # 5 warm-up rounds
+        t0 = time.perf_counter()
+        rid = eng.add_request(ids, one)
+        t1 = time.perf_counter()
+        sched = eng.scheduler.schedule()
+        t2 = time.perf_counter()
+        eng.runner.prepare(sched.chunks)
+        t3 = time.perf_counter()
+        eng.abort_request(rid)
+        eng.step()  # lets the scheduler release the aborted request's pages
+        if i >= 5:
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                parts[k].append(v)
+    return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefill_spread", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
@@ -126,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[8192])
     p.add_argument("--runs", type=int, default=15)
     p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--host-prefix", action="store_true", help="only add_request / schedule / prepare medians")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -142,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         **({"page_size": a.page_size} if a.page_size else {}),
     )
     eng = LLMEngine(cfg)
+    if a.host_prefix:
+        for length in a.lengths:
+            r = host_prefix(eng, length, a.runs)
+            print(f"prompt {length}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()), flush=True)
+        return 0
     device = eng.device
     peak = matmul_peak_flops(device)["flops_per_s"] if cuda else 1e12
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "peak_flops": peak, "lengths": []}

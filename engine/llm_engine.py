@@ -6,6 +6,7 @@ import itertools
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -172,23 +173,31 @@ class LLMEngine(ImportSide):
     ) -> str:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids, params)
+        array = self._validate(ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params)
+        # from the array: Python ints even where numpy ints or bools were passed (outputs serialise them)
+        req = Request(request_id, array.tolist(), params, prompt_array=array)
         req.hash_namespace = namespace(self.namespace_digest, cache_salt)
         self._requests[request_id] = req
         self.scheduler.add(req)
         return request_id
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams) -> np.ndarray:
+        """Raise InvalidRequestError on a bad request; else the prompt as int64 numpy (prepare slices it)."""
         if not ids:
             raise InvalidRequestError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
-        # C-speed check first (a 32k prompt: half the time of the per-token isinstance loop);
-        # the exact per-token check only when it fails
-        fast_ok = set(map(type, ids)) <= {int, bool} and min(ids) >= 0 and max(ids) < vocab
+        # C-speed check first: one conversion to numpy, reused by prepare (an 8k prompt: ~0.18 ms, vs ~0.31 ms
+        # for a type set and min / max over the list, then ~0.13 ms more to convert it in prepare); the exact
+        # per-token check only when it fails (a float, str or out-of-range id: a non-integer array or the range)
+        try:
+            array = np.asarray(ids)
+        except (ValueError, TypeError):  # ragged: a list inside the prompt
+            array = np.zeros(0, dtype=np.int64)
+        fast_ok = array.ndim == 1 and len(array) == len(ids) and array.dtype.kind in "iub"
+        fast_ok = fast_ok and array.min() >= 0 and array.max() < vocab
         bad = [] if fast_ok else [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
@@ -199,6 +208,7 @@ class LLMEngine(ImportSide):
             )
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        return array.astype(np.int64, copy=False)
 
     def add_aux_layers(self, layer_ids: tuple[int, ...], remove: bool = False) -> None:
         """Producer side: capture these taps too (a consumer's drafter reads them from the handoff)."""

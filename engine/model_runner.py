@@ -11,7 +11,7 @@ from engine.forward_batch import ForwardBatch, kv_write_fields
 from engine.models.base import CausalLM
 from engine.prefill_graph import PrefillGraphs
 from engine.scheduler import ScheduledChunk
-from engine.step_rows import StepRows, int64_tensor
+from engine.step_rows import LONG_CHUNK, StepRows, int64_tensor
 from kernels.upload import PinnedStaging
 
 
@@ -37,7 +37,10 @@ class ModelRunner:
             end = c.start + c.num_tokens
             known = end - len(c.drafts)
             pages = int64_tensor(req.page_ids)  # numpy-backed
-            ids = req.all_token_ids[c.start : known] + list(c.drafts)
+            if not c.drafts and known <= len(req.prompt_token_ids) and c.num_tokens >= LONG_CHUNK:
+                ids = req.prompt_array()[c.start : known]  # a view: no per-token conversion (StepRows)
+            else:
+                ids = req.all_token_ids[c.start : known] + list(c.drafts)
             rows.add(ids, c.start, end, req.page_ids, pages, req.kv_cached_tokens)
             qsl.append(qsl[-1] + c.num_tokens)
             ctx.append(end)

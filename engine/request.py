@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.sampling_params import SamplingParams
 
 
@@ -27,9 +29,18 @@ class TokenLogprobs:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt_array: np.ndarray | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        self._prompt_array = prompt_array
+        """The prompt as int64 numpy (built once: by validation, or on first use); long prefill chunks are
+        sliced from it instead of converting 8k-64k Python ints again before the step's first kernel."""
         self.params = params
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprobs] = []
@@ -62,6 +73,11 @@ class Request:
         self.last_aux_layers: tuple[int, ...] = ()
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+
+    def prompt_array(self) -> np.ndarray:
+        if self._prompt_array is None or len(self._prompt_array) != len(self.prompt_token_ids):
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_array
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -37,8 +37,11 @@ def _still_serves(engine, expected: list[int]) -> None:
         ([5, -1, 7], "token ids outside the vocabulary [0, 512): [-1]"),
         ([5, 512, 7, 10**9], "token ids outside the vocabulary [0, 512): [512, 1000000000]"),
         ([5, 6.0], "outside the vocabulary"),
+        ([5, "7"], "outside the vocabulary"),
+        ([5, 2**70], "outside the vocabulary"),
+        ([5, [6, 7]], "outside the vocabulary"),
     ],
-    ids=["too-long", "exactly-max-len", "empty", "negative-id", "id>=vocab", "float-id"],
+    ids=["too-long", "exactly-max-len", "empty", "negative-id", "id>=vocab", "float-id", "str-id", "huge-id", "nested"],
 )
 def test_bad_prompt(engines, prompt, message):
     engine, expected = engines
@@ -133,3 +136,15 @@ def test_errors_between_steps_do_not_disturb_running_requests(engines):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[rid].output_token_ids == expected
     _still_serves(engine, expected)
+
+
+def test_numpy_and_bool_ids_become_python_ints(engines):
+    """Token ids given as numpy ints (or bools) are accepted and stored as Python ints: outputs serialise them."""
+    import numpy as np
+
+    engine, _ = engines
+    rid = engine.add_request([np.int64(5), True, 7], PARAMS)
+    req = engine._requests[rid]
+    assert req.prompt_token_ids == [5, 1, 7] and all(type(t) is int for t in req.prompt_token_ids)
+    assert req.prompt_array().tolist() == [5, 1, 7]
+    engine.abort_request(rid)

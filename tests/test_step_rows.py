@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,17 +28,20 @@ def _chunks(seed: int):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_long_chunk_rows_equal_python_rows(monkeypatch, seed):
-    def build(threshold: int):
+    def build(threshold: int, as_numpy: bool = False):
         monkeypatch.setattr(step_rows, "LONG_CHUNK", threshold)
         rows = StepRows(16)
         for ids, start, end, pages, cached in _chunks(seed):
+            long = end - start >= threshold
+            ids = np.asarray(ids, dtype=np.int64) if as_numpy and long else ids  # as prepare passes prompts
             rows.add(ids, start, end, pages, torch.tensor(pages, dtype=torch.int64), cached)
         return rows.tensors()
 
     python_only, tensor_ops, mixed = build(10**9), build(1), build(64)
-    for a, b, c in zip(python_only, tensor_ops, mixed, strict=True):
-        assert a.dtype == b.dtype == c.dtype == torch.int64
-        assert torch.equal(a, b) and torch.equal(a, c)
+    numpy_ids = build(64, as_numpy=True)
+    for a, b, c, d in zip(python_only, tensor_ops, mixed, numpy_ids, strict=True):
+        assert a.dtype == b.dtype == c.dtype == d.dtype == torch.int64
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
     assert (python_only[2] == -1).any() and (python_only[2] >= 0).any()  # both kinds of slot are exercised
 
 
