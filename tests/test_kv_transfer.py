@@ -60,16 +60,19 @@ def _handoff(engine, prompt, async_copies: bool = False):
     return msgs, req, fp
 
 
-@pytest.mark.parametrize("prompt_len", [5, 16, 45])
+@pytest.mark.parametrize(
+    ("prompt_len", "page_size"), [(5, 16), (16, 16), (45, 16), (45, 64), (130, 64)], ids=lambda v: str(v)
+)
 @pytest.mark.parametrize("via", ["protobuf", "wire", "host buffer", "encoder thread"])
-def test_handoff_roundtrip_is_bit_exact(model_dir, prompt_len, via, monkeypatch):
+def test_handoff_roundtrip_is_bit_exact(model_dir, prompt_len, page_size, via, monkeypatch):
     """via: messages parsed by protobuf, or by wire.parse_chunk (as the decode service does), or with
     pieces assembled in a host buffer first (how a device cache is filled), or encoded on the producer's
     encoder thread from snapshots (as on a GPU prefill worker), flushed before the step's output."""
     if via == "host buffer":
         monkeypatch.setattr(consumer_mod, "_byte_view", lambda t: None)
-    p_engine = make_engine(model_dir, max_num_batched_tokens=7)  # chunked: pages finish across chunks
-    d_engine = make_engine(model_dir)
+    # chunked: pages finish across chunks (pages of 64: the GPU decode's FlashMLA pages)
+    p_engine = make_engine(model_dir, max_num_batched_tokens=7 if page_size == 16 else 50, page_size=page_size)
+    d_engine = make_engine(model_dir, page_size=page_size)
     prompt = random_prompts(1, [prompt_len], seed=3)[0]
     msgs, p_req, fp = _handoff(p_engine, prompt, async_copies=via == "encoder thread")
     assert all(len(m.SerializeToString()) < MAX_BYTES + 512 for m in msgs)

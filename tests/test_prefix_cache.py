@@ -17,8 +17,10 @@ def _run(engine, prompts):
     return [o.output_token_ids for o in engine.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("budget", [1024, 40])
-def test_shared_prefix_hits_and_tokens_equal_uncached(model_dir, arch, budget):
+@pytest.mark.parametrize(("budget", "page_size"), [(1024, 16), (40, 16), (1024, 64), (40, 64)])
+def test_shared_prefix_hits_and_tokens_equal_uncached(model_dir, arch, budget, page_size):
+    """Pages of 16 (rungs every 4 pages) and of 64 (the GPU decode's FlashMLA pages; rungs every page): rungs
+    at 64-token multiples either way, so the same prompts cross them."""
     base = random_prompts(1, [200], seed=5)[0]
     prompts = [
         base,
@@ -27,9 +29,10 @@ def test_shared_prefix_hits_and_tokens_equal_uncached(model_dir, arch, budget):
         base,  # the whole prompt again
         base[:65],  # rung + 1 (64): the fork lands on a one-token first step
     ]
-    cold = make_engine(model_dir, max_num_batched_tokens=budget)
+    paging = {"page_size": page_size, "kda_checkpoint_pages": 64 // page_size}
+    cold = make_engine(model_dir, max_num_batched_tokens=budget, **paging)
     want = [_run(cold, [p])[0] for p in prompts]
-    warm = make_engine(model_dir, max_num_batched_tokens=budget, enable_prefix_caching=True)
+    warm = make_engine(model_dir, max_num_batched_tokens=budget, enable_prefix_caching=True, **paging)
     got = [_run(warm, [p])[0] for p in prompts]
     assert got == want
     assert warm.prefix_cache.hit_tokens > 0
