@@ -33,8 +33,6 @@ import torch
 from bench.call_timer import timed_calls
 from bench.mid import gaps as mid_gaps
 from bench.mid import profile, tandem_bench
-from bench.mid.checkpoint import MidSpec, write_mid_model
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -184,20 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-dir", type=Path, default=None, help="keep the profiled step's trace, list its GPU gaps")
     p.add_argument("--kernels", type=int, default=0, help="list the profiled step's N costliest ops / kernels")
     a = p.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
-    write_mid_model(model_dir, MidSpec("kimi_linear", a.layers, a.tiny))
-    cfg = EngineConfig(
-        model=str(model_dir),
-        device="cuda" if cuda else "cpu",
-        dtype="bfloat16" if cuda else "float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=max(a.lengths),
-        max_model_len=max(a.lengths) + 64,
-        kv_cache_memory_bytes=(16 << 30) if cuda else (256 << 20),
-        cuda_graphs=a.cuda_graphs,
-    )
-    eng = LLMEngine(cfg)
+    eng = tandem_bench.lone_prompt_engine(a.layers, a.tiny, a.lengths, kv_gib=16.0, cuda_graphs=a.cuda_graphs)
     warm = min(512, *a.lengths)
     eng.prompt_logits(tandem_bench.prompt(warm, eng.model_config.vocab_size, 0))  # compile + fla autotune
     rows = []
@@ -225,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             print(r["top_kernels"], flush=True)
         print(r["pstats"])
     if a.out:
-        device = torch.cuda.get_device_name() if cuda else "cpu"
+        device = torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu"
         a.out.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
     return 0
 

@@ -31,9 +31,7 @@ from typing import Any
 import torch
 
 from bench.mid import costs, tandem_bench
-from bench.mid.checkpoint import MidSpec, write_mid_model
 from bench.mid.roofline import matmul_peak_flops
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -155,19 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available()
-    model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
-    write_mid_model(model_dir, MidSpec("kimi_linear", a.layers, a.tiny))
-    cfg = EngineConfig(
-        model=str(model_dir),
-        device="cuda" if cuda else "cpu",
-        dtype="bfloat16" if cuda else "float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=max(a.lengths),
-        max_model_len=max(a.lengths) + 64,
-        kv_cache_memory_bytes=(8 << 30) if cuda else (256 << 20),
-        **({"page_size": a.page_size} if a.page_size else {}),
-    )
-    eng = LLMEngine(cfg)
+    paging = {"page_size": a.page_size} if a.page_size else {}
+    eng = tandem_bench.lone_prompt_engine(a.layers, a.tiny, a.lengths, kv_gib=8.0, **paging)
     if a.host_prefix:
         for length in a.lengths:
             r = host_prefix(eng, length, a.runs)

@@ -14,10 +14,12 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -25,6 +27,27 @@ from engine.sampling_params import SamplingParams
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def lone_prompt_engine(layers: int, tiny: bool, lengths: list[int], kv_gib: float, **kw: Any) -> LLMEngine:
+    """An engine on the mid checkpoint (written if absent) sized for one prompt of up to max(lengths) tokens:
+    bf16 on CUDA, fp32 on the host; ``kw`` goes to EngineConfig (page_size, cuda_graphs, ...)."""
+    from bench.mid.checkpoint import MidSpec, write_mid_model
+
+    cuda = torch.cuda.is_available()
+    model_dir = Path(f"/tmp/tandem-mid-kimi-{layers}l{'-tiny' if tiny else ''}")
+    write_mid_model(model_dir, MidSpec("kimi_linear", layers, tiny))
+    cfg = EngineConfig(
+        model=str(model_dir),
+        device="cuda" if cuda else "cpu",
+        dtype="bfloat16" if cuda else "float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=max(lengths),
+        max_model_len=max(lengths) + 64,
+        kv_cache_memory_bytes=int(kv_gib * (1 << 30)) if cuda else (256 << 20),
+        **kw,
+    )
+    return LLMEngine(cfg)
 
 
 def prompt(length: int, vocab: int, seed: int) -> list[int]:
