@@ -10,6 +10,9 @@
 #   bash bench/gpu_session.sh pcp-trace      # 2 x H200: Kimi mid 16k / 64k, one GPU and pcp2, with host+device
 #                                            # traces of every rank and where each GPU waited (bench/mid/gaps.py)
 #   bash bench/gpu_session.sh mla-sweep      # 1 x H200: launch parameters of the MLA latent decode kernel
+#   bash bench/gpu_session.sh flashmla       # 1 x H200: build FlashMLA's decode (~85 s; carry .flashmla_src from
+#                                            # kernels/flashmla/fetch_sources.sh), check it, then decode b64 4k / 32k
+#                                            # in pages of 64 through it and through the Triton kernel (two processes)
 #   bash bench/gpu_session.sh mla-prefill    # 1 x H200: MLA prefill with no prefix, Triton vs torch SDPA backends
 #   bash bench/gpu_session.sh moe-decode     # 1 x H200: kernels/moe/decode.py vs the grouped path (check + tiles),
 #                                            # then decode steps with them (the default since the sixth session)
@@ -49,7 +52,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -76,6 +79,11 @@ case "$step" in
     for v in 0 1; do TANDEM_KDA_GATE_IN_CHUNK=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 1024 \
       --batches 1 --decode-steps 2 --repeat 3 --out "$OUT/mid_kda_gate_$v.json" "$@"; done ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
+  flashmla) python -m bench.flashmla_check --out "$OUT/flashmla_check.json" | tee "$OUT/flashmla_check.txt"
+    for impl in flashmla triton; do
+      TANDEM_MLA_DECODE_IMPL=$impl python -m bench.gpu_mid --parts tandem --page-size 64 --prefill 8192 \
+        --ctx 4096 32768 --batches 64 --decode-steps 10 --repeat 2 --out "$OUT/mid_p64_$impl.json" "$@"
+    done ;;
   mla-prefill) python -m bench.mla_prefill_sdpa --out "$OUT/mla_prefill_sdpa.json" "$@" ;;
   moe-decode) python -m bench.gpu_kernels_check --only moe | tee "$OUT/moe_check.txt"
     TANDEM_MOE_DECODE_KERNELS=1 python -m bench.gpu_mid --parts tandem --prefill 8192 --ctx 4096 32768 \
