@@ -43,7 +43,8 @@ def _flashmla_loads() -> bool:
     try:
         load_flashmla()
     except Exception as e:  # a failed build must not take the decode service down: Triton is exact too
-        log.warning("MLA decode: Triton (FlashMLA failed to build or load: %s)", str(e).splitlines()[0])
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        log.warning("MLA decode: Triton (FlashMLA failed to build or load: %s)", first)
         return False
     log.info("MLA decode: FlashMLA (sm90 dense decode)")
     return True

@@ -88,3 +88,23 @@ def test_matches_reference_on_sm90():
     out = flashmla_decode_fwd(q_lat, q_pe, latent, bt, ctx_t, scale)
     ref = _reference(q_lat, q_pe, latent, tables, ctx, scale)
     assert (out.float().cpu() - ref).abs().max().item() < 2e-2
+
+
+def test_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path, caplog):
+    """Sources present but the build raising (even with an empty message): auto logs why and stays on Triton."""
+    import kernels.flashmla.decode as decode
+
+    monkeypatch.delenv("TANDEM_FLASHMLA_SO", raising=False)
+    monkeypatch.setattr(decode, "missing_sources", lambda src: [])
+
+    def broken():
+        raise RuntimeError()
+
+    monkeypatch.setattr(decode, "load_flashmla", broken)
+    decode._flashmla_loads.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=decode.__name__):
+            assert decode._flashmla_loads() is False
+        assert "RuntimeError" in caplog.text
+    finally:
+        decode._flashmla_loads.cache_clear()
