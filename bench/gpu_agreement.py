@@ -38,7 +38,7 @@ def agreement(
     device: str = "cuda",
     prompt_lens: tuple[int, int] = (8, 200),
     preset: str = "tiny",
-    page_size: int = 16,
+    page_size: int | None = None,
 ) -> dict[str, float]:
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch, preset=preset))
     g = torch.Generator().manual_seed(0)
@@ -95,12 +95,12 @@ def main() -> None:
         "--prompt-lens", type=int, nargs=2, default=(8, 200), metavar=("LO", "HI"), help="prompt lengths in [LO, HI)"
     )
     ap.add_argument("--preset", default="tiny", help="engine/tiny_model.py preset (mla512: FlashMLA's MLA dims)")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=None, help="default: EngineConfig's (64 on CUDA, 16 on CPU)")
     a = ap.parse_args()
     for arch in a.arch:
         r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device, tuple(a.prompt_lens), a.preset, a.page_size)
         print(
-            f"{arch} {a.preset} page {a.page_size} {a.dtype}: "
+            f"{arch} {a.preset} page {a.page_size or 'default'} {a.dtype}: "
             + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
             flush=True,
         )

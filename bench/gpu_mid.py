@@ -108,6 +108,8 @@ def run_tandem(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
             print(f"tandem decode ctx {ctx} batch {b}: {t * 1e3:.2f} ms/step", flush=True)
             if ctx == a.ctx[0] and b == max(a.batches):
                 _overhead(a, eng, res, ctx, b, t)
+            elif b in (a.profile_batches or ()) and ctx == a.ctx[0]:
+                _profile_decode(eng, res, ctx, b)
             tandem_bench.clear(eng, rids)
 
 
@@ -170,14 +172,7 @@ def run_prefill_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any
 
 def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: int, b: int, wall: float) -> None:
     """Profile a few decode steps of the running batch: op breakdown and host overhead per step."""
-    n = 5
-    with profile.labelled_ops(eng.model):
-        prof = profile.profiled(lambda: [eng.step() for _ in range(n)], eng.device, stacks=True)
-    bd = profile.breakdown(prof, eng.device, per=n)
-    res["breakdown"][f"decode step b={b} ctx={ctx}"] = bd
-    res["top_kernels"][f"decode b={b} ctx={ctx}"] = profile.top_kernels(prof, eng.device)
-    res.setdefault("census", {})[f"decode b={b} ctx={ctx}"] = profile.kernel_census(prof, per=n)
-    res.setdefault("copy_sites", {})[f"decode b={b} ctx={ctx}"] = profile.copy_sites(prof, per=n)
+    bd = _profile_decode(eng, res, ctx, b)
     gpu_ms, wall_ms = bd["total"], wall * 1e3
     res["overhead"] = {
         "batch": b,
@@ -187,6 +182,18 @@ def _overhead(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any], ctx: i
         "overhead_ms": wall_ms - gpu_ms,
         "overhead_fraction": (wall_ms - gpu_ms) / gpu_ms if gpu_ms else None,
     }
+
+
+def _profile_decode(eng: LLMEngine, res: dict[str, Any], ctx: int, b: int, n: int = 5) -> dict[str, float]:
+    """Op breakdown, top kernels, kernel census and copy sites of n eager decode steps of the running batch."""
+    with profile.labelled_ops(eng.model):
+        prof = profile.profiled(lambda: [eng.step() for _ in range(n)], eng.device, stacks=True)
+    bd = profile.breakdown(prof, eng.device, per=n)
+    res["breakdown"][f"decode step b={b} ctx={ctx}"] = bd
+    res["top_kernels"][f"decode b={b} ctx={ctx}"] = profile.top_kernels(prof, eng.device)
+    res.setdefault("census", {})[f"decode b={b} ctx={ctx}"] = profile.kernel_census(prof, per=n)
+    res.setdefault("copy_sites", {})[f"decode b={b} ctx={ctx}"] = profile.copy_sites(prof, per=n)
+    return bd
 
 
 def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> None:
@@ -212,8 +219,8 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
                 if seen:
                     first[mode] = seen[0]
                 row[f"{mode}_ms"] = t * 1e3
-                if mode == "async" and ctx == a.ctx[0] and b == max(a.batches):
-                    row["replay_ms"] = _replay_ms(graphs, eng.device)
+                if mode == "async" and (b == max(a.batches) or b in (a.profile_batches or ())):
+                    row["replay_ms"] = _replay_ms(graphs, eng.device, b)
                 tandem_bench.clear(eng, rids)
                 tandem_bench.drain(eng)
             # tokens can part on a near-tie (bf16 sums in another order); the first step's logits say whether
@@ -259,13 +266,15 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def _replay_ms(graphs: Any, device: torch.device, n: int = 20) -> float | None:
-    """Back-to-back replays of the largest captured graph: the step's GPU time with no host in between
-    (rewrites the running batch's newest KV row and advances its KDA state: timing only, the batch is
-    cleared after)."""
-    if not graphs._graphs:
+def _replay_ms(graphs: Any, device: torch.device, batch: int, n: int = 20) -> float | None:
+    """Back-to-back replays of the running batch's captured graph (the largest context bucket captured for
+    its padded size): the step's GPU time with no host in between (rewrites the running batch's newest KV row
+    and advances its KDA state: timing only, the batch is cleared after)."""
+    keys = [k for k in graphs._graphs if k[0] >= batch]
+    if not keys:
         return None
-    graph = graphs._graphs[max(graphs._graphs)][0]
+    bs = min(k[0] for k in keys)
+    graph = graphs._graphs[max(k for k in keys if k[0] == bs)][0]
     graph.replay()
     tandem_bench.sync(device)
     t0 = time.perf_counter()
@@ -330,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, nargs="*", default=None)
     p.add_argument("--batches", type=int, nargs="*", default=None)
     p.add_argument("--decode-steps", type=int, default=20)
+    p.add_argument(
+        "--profile-batches",
+        type=int,
+        nargs="*",
+        default=None,
+        help="decode batches (at the first --ctx) also profiled op by op, with their graphs' back-to-back replay time",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--kv-gib", type=float, default=16.0, help="KV + KDA state budget on the GPU")
     p.add_argument("--page-size", type=int, default=None, help="KV page size (default: EngineConfig's)")

@@ -26,7 +26,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="HF checkpoint dir (default: bundled tiny model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per KV page (default: 64 on CUDA, FlashMLA's page; 16 on CPU); prefill and decode must agree",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -146,3 +146,33 @@ def test_router_lists_existing_workers_and_the_index():
     for _, c in TANDEM:
         if _parsed(c).command in ("prefill", "decode"):
             assert _parsed(c).redis_url == a.redis_url  # one shared prefix index
+
+
+def test_workers_agree_on_the_page_size_and_the_image_carries_flashmla():
+    """Prefill and decode workers hand over pages only when their fingerprints (page size included) agree; the
+    manifests run FlashMLA's pages of 64, and the image's TANDEM_FLASHMLA_SO names the file its build stage
+    copies in."""
+    from engine.config import GPU_PAGE_SIZE
+
+    sizes = {}
+    for w, c in TANDEM:
+        a = _parsed(c)
+        if a.command == "prefill":
+            sizes[_name(w, c)] = cli.prefill_config_from_args(a).engine.page_size
+        elif a.command == "decode":
+            sizes[_name(w, c)] = cli.decode_config_from_args(a).engine.page_size
+    assert len(sizes) >= 2 and set(sizes.values()) == {GPU_PAGE_SIZE}, sizes
+    docker = (DEPLOY / "Dockerfile").read_text()
+    so = re.search(r"TANDEM_FLASHMLA_SO=(\S+)", docker).group(1)
+    assert re.search(rf"^COPY --from=flashmla \S+ {re.escape(so)}$", docker, re.M), so
+    assert "python -m kernels.flashmla.build" in docker and "fetch_sources.sh" in docker
+
+
+def test_page_size_defaults_to_flashmlas_on_cuda_only():
+    from engine.config import CPU_PAGE_SIZE, GPU_PAGE_SIZE, EngineConfig
+
+    assert EngineConfig(model="m", device="cuda").page_size == GPU_PAGE_SIZE == 64
+    assert EngineConfig(model="m", device="cuda:1").page_size == GPU_PAGE_SIZE
+    assert EngineConfig(model="m", device="cpu").page_size == CPU_PAGE_SIZE == 16
+    assert EngineConfig(model="m", device="cuda", page_size=16).page_size == 16
+    assert cli.build_parser().parse_args(["prefill"]).page_size is None  # the engine decides, by device

@@ -30,6 +30,10 @@ from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
 from kernels.paged_attention.triton import attention_fwd
 
+# FlashMLA's split plan made once a step and shared by the MLA layers (kernels/flashmla/decode.DecodeSchedule);
+# TANDEM_FLASHMLA_SHARED_PLAN=0 plans in every layer, for A / B runs
+FLASHMLA_SHARED_PLAN = os.environ.get("TANDEM_FLASHMLA_SHARED_PLAN", "1") != "0"
+
 logger = logging.getLogger(__name__)
 
 
@@ -102,6 +106,7 @@ class GPUAttentionBackend(AttentionBackend):
             dims.qk_nope_head_dim,
             dims.v_head_dim,
             scale,
+            schedules=self._step.get(batch, "mla_schedules", dict) if FLASHMLA_SHARED_PLAN else None,
         )
 
     def _plan_mla(self, batch: ForwardBatch, q: torch.Tensor, h: int, page_size: int, dims: MLADims) -> list:

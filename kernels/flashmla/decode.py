@@ -81,6 +81,35 @@ def flashmla_unusable(latent_cache: torch.Tensor, num_heads: int) -> str | None:
     return None
 
 
+class DecodeSchedule:
+    """FlashMLA's split plan for one step's decode launch, shared by the step's MLA layers.
+
+    FlashMLA plans how the sequences are split over the SMs in a one-warp kernel whose serial loop took ~26 us
+    on the H200 (decode b1 / b16 profiles: as long as the attention kernel itself there), and the plan depends
+    only on the lengths, the batch and the head count: the same for every MLA layer of a step. vLLM plans once
+    per step in its metadata builder; here the first layer of a forward pass plans and the others reuse it.
+    ``owner`` is the planning layer: when it runs again over the same batch (a CUDA graph's warm-up passes,
+    then its capture) it plans again, so every pass — and every captured graph — holds its own planning kernel.
+    """
+
+    def __init__(self) -> None:
+        self.owner: int | None = None
+        self.plan: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def take(self, owner: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The plan to reuse, or None when ``owner`` must plan now (it becomes the owner)."""
+        if self.plan is not None and self.owner != owner:
+            return self.plan
+        self.owner, self.plan = owner, None
+        return None
+
+
+def flashmla_q(q_lat_shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """An empty [B, H, 576] query in FlashMLA's layout: the absorbed q_lat and the rope part written into its
+    slices (``flashmla_decode_fwd(q=...)``) instead of concatenated after."""
+    return like.new_empty(*q_lat_shape, RANK + ROPE)
+
+
 def flashmla_decode_fwd(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -89,12 +118,16 @@ def flashmla_decode_fwd(
     ctx_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    schedule: DecodeSchedule | None = None,
+    q: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax((q_lat c^T + q_pe pe^T) scale) c`` for one query per sequence, as ``mla_decode_fwd``.
 
     q_lat [B, H, 512], q_pe [B, H, 64] bf16; latent_cache [num_pages, 64, 576]; block_tables [B, max_pages]
     int32; ctx_lens [B] int32 on the device (read there: no host sync, so a CUDA graph can replay it with new
-    lengths — FlashMLA plans its splits from them in a kernel of its own each call). Returns o_lat [B, H, 512].
+    lengths — FlashMLA plans its splits from them in a kernel of its own). Returns o_lat [B, H, 512].
+    schedule: the step's shared plan (``DecodeSchedule``; None: plan in this call). q: a contiguous
+    [B, H, 576] buffer whose slices q_lat / q_pe already are (``flashmla_q``; None: concatenated here).
     """
     b, h, r = q_lat.shape
     why = flashmla_unusable(latent_cache, h)
@@ -105,6 +138,13 @@ def flashmla_decode_fwd(
             f"q_lat {q_lat.dtype} {tuple(q_lat.shape)} / q_pe {q_pe.dtype} {tuple(q_pe.shape)} must be "
             f"[B, H, {RANK}] / [B, H, {ROPE}] in the cache's {latent_cache.dtype}"
         )
+    if q is not None and (
+        q.shape != (b, h, RANK + ROPE)
+        or not q.is_contiguous()
+        or q_lat.data_ptr() != q.data_ptr()
+        or q_pe.data_ptr() != q[..., RANK:].data_ptr()
+    ):
+        raise ValueError("q must be the contiguous [B, H, 576] buffer whose slices q_lat / q_pe are (flashmla_q)")
     if block_tables.dtype != torch.int32 or block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(
             f"block_tables must be int32 [{b}, max_pages], got {block_tables.dtype} {tuple(block_tables.shape)}"
@@ -113,8 +153,9 @@ def flashmla_decode_fwd(
         raise ValueError(f"ctx_lens must be int32 [{b}], got {ctx_lens.dtype} {tuple(ctx_lens.shape)}")
     if b == 0:
         return q_lat.new_empty(0, h, r) if out is None else out
-    q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # [B, 1, H, 576]: FlashMLA's q layout
-    o, _lse, _meta, _splits = load_flashmla().dense_decode_fwd(
+    q = (torch.cat([q_lat, q_pe], dim=-1) if q is None else q).unsqueeze(1)  # [B, 1, H, 576]: FlashMLA's layout
+    plan = schedule.take(latent_cache.data_ptr()) if schedule is not None else None
+    o, _lse, sched_meta, num_splits = load_flashmla().dense_decode_fwd(
         q,
         latent_cache.unsqueeze(2),  # [pages, 64, 1 latent head, 576]
         r,
@@ -122,9 +163,11 @@ def flashmla_decode_fwd(
         block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous(),
         float(scale),
         False,
-        None,
-        None,
+        None if plan is None else plan[0],
+        None if plan is None else plan[1],
     )
+    if schedule is not None and plan is None:
+        schedule.plan = (sched_meta, num_splits)
     o = o.view(b, h, r)
     if out is None:
         return o
@@ -132,4 +175,12 @@ def flashmla_decode_fwd(
     return out
 
 
-__all__ = ["PAGE_SIZE", "flashmla_decode_fwd", "flashmla_unusable", "mla_decode_impl", "use_flashmla"]
+__all__ = [
+    "PAGE_SIZE",
+    "DecodeSchedule",
+    "flashmla_decode_fwd",
+    "flashmla_q",
+    "flashmla_unusable",
+    "mla_decode_impl",
+    "use_flashmla",
+]

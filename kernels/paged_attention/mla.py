@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
-from kernels.flashmla.decode import flashmla_decode_fwd, use_flashmla
+from kernels.flashmla.decode import (
+    RANK,
+    ROPE,
+    DecodeSchedule,
+    flashmla_decode_fwd,
+    flashmla_q,
+    flashmla_unusable,
+    use_flashmla,
+)
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.mla_decode import mla_decode_fwd
 from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable, mla_keys_values
@@ -48,38 +56,85 @@ def mla_absorbed(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    schedules: dict | None = None,
 ) -> torch.Tensor:
     """MLA in the weight-absorbed form: attention over the latent itself (one shared "KV head").
 
     q_lat = q_nope . W_UK ([T, H, R]); scores = (q_lat . c_kv + q_pe . k_pe) * scale;
     o_lat = softmax . c_kv ([T, H, R]); out = o_lat . W_UV^T ([T, H, v]). ``meta.group`` must be H.
+    schedules: a dict that lives for one step (the backend's ``PerStep``), where FlashMLA decode launches
+    keep the split plan the step's MLA layers share (``DecodeSchedule``); None: each launch plans its own.
     """
     h = q.shape[1]
     w_uk, w_uv = absorb_weights(kv_b_weight, h, qk_nope_head_dim, v_head_dim)
     q_nope, q_pe = q[..., :qk_nope_head_dim], q[..., qk_nope_head_dim:]
-    # [H, T, nope] @ [H, nope, R] -> [H, T, R]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q.dtype)).transpose(0, 1).contiguous()
-    q_pe = q_pe.contiguous()
     decode = _all_heads_decode(meta) and num_splits is None and block_n is None
     if decode and use_flashmla(latent_cache, h):
-        o_lat = flashmla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, scale)
-    elif decode:
-        o_lat = mla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, meta.max_ctx, scale)
+        o_lat = _flashmla_absorbed(q_nope, q_pe, w_uk, latent_cache, meta, scale, schedules)
     else:
-        lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]
-        o_lat = attention_fwd(
-            q_lat,
-            lat[..., :kv_lora_rank],
-            None,
-            meta,
-            scale,
-            q_b=q_pe,
-            k_b=lat[..., kv_lora_rank:],
-            num_splits=num_splits,
-            block_n=block_n,
-        )
+        tuning = (decode, num_splits, block_n)
+        o_lat = _triton_absorbed(q_nope, q_pe, w_uk, latent_cache, meta, kv_lora_rank, scale, *tuning)
     # [H, T, R] @ [H, R, v] -> [H, T, v]
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
+
+
+def _triton_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttnMeta,
+    kv_lora_rank: int,
+    scale: float,
+    decode: bool,
+    num_splits: int | None,
+    block_n: int | None,
+) -> torch.Tensor:
+    """o_lat [T, H, R] through the Triton kernels: the all-heads decode kernel or the general paged one."""
+    # [H, T, nope] @ [H, nope, R] -> [H, T, R]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1).contiguous()
+    q_pe = q_pe.contiguous()
+    if decode:
+        return mla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, meta.max_ctx, scale)
+    lat = latent_cache[:, :, None, :]  # [P, S, 1, R + rope]
+    return attention_fwd(
+        q_lat,
+        lat[..., :kv_lora_rank],
+        None,
+        meta,
+        scale,
+        q_b=q_pe,
+        k_b=lat[..., kv_lora_rank:],
+        num_splits=num_splits,
+        block_n=block_n,
+    )
+
+
+def _flashmla_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    latent_cache: torch.Tensor,
+    meta: AttnMeta,
+    scale: float,
+    schedules: dict | None,
+) -> torch.Tensor:
+    """The decode launch through FlashMLA: q_lat is written by its GEMM straight into FlashMLA's [T, H, 576]
+    query (cuBLAS takes the slice's row stride) and the rope part copied beside it, instead of a transpose
+    copy, a contiguous copy and a concatenation; the split plan comes from the step's shared schedule."""
+    t, h = q_nope.shape[0], q_nope.shape[1]
+    why = flashmla_unusable(latent_cache, h)  # forced (TANDEM_MLA_DECODE_IMPL=flashmla) onto a cache it cannot take
+    if why is None and (w_uk.shape[-1], q_pe.shape[-1]) != (RANK, ROPE):
+        why = f"latent {w_uk.shape[-1]} + rope {q_pe.shape[-1]} (FlashMLA takes {RANK} + {ROPE})"
+    if why is not None:
+        raise ValueError(f"flashmla_decode_fwd: {why}")
+    q = flashmla_q((t, h), q_nope)
+    q_lat, q_rope = q[..., :RANK], q[..., RANK:]
+    torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype), out=q_lat.transpose(0, 1))
+    q_rope.copy_(q_pe)
+    key = ("flashmla", h, meta.ctx.data_ptr(), t)
+    schedule = None if schedules is None else schedules.setdefault(key, DecodeSchedule())
+    return flashmla_decode_fwd(q_lat, q_rope, latent_cache, meta.block_tables, meta.ctx, scale, schedule=schedule, q=q)
 
 
 def _expand_latent(
@@ -236,8 +291,10 @@ def run_mla(
     scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    schedules: dict | None = None,
 ) -> torch.Tensor:
-    """Run the launches of ``plan_mla`` for one layer -> [T, H, v_head_dim] in q's dtype."""
+    """Run the launches of ``plan_mla`` for one layer -> [T, H, v_head_dim] in q's dtype. schedules: the
+    step's dict of shared decode plans (``mla_absorbed``)."""
     out = q.new_empty(q.shape[0], q.shape[1], v_head_dim)
     for part in parts:
         sub_q = q if part.rows is None else q[part.rows]
@@ -260,6 +317,7 @@ def run_mla(
                 scale,
                 num_splits=num_splits,
                 block_n=block_n,
+                schedules=schedules,
             )
         if part.rows is None:
             out.copy_(o)

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from kernels.flashmla.build import load_flashmla, missing_sources, source_dir
-from kernels.flashmla.decode import flashmla_decode_fwd, flashmla_unusable, mla_decode_impl, use_flashmla
-from tests.kernels.helpers import DEVICE
+from kernels.flashmla.decode import (
+    DecodeSchedule,
+    flashmla_decode_fwd,
+    flashmla_unusable,
+    mla_decode_impl,
+    use_flashmla,
+)
+from tests.kernels.helpers import DEVICE, assert_close, tol
 from tests.kernels.test_mla_decode import _reference, _setup
 
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -108,3 +114,97 @@ def test_auto_falls_back_when_the_build_fails(monkeypatch, tmp_path, caplog):
         assert "RuntimeError" in caplog.text
     finally:
         decode._flashmla_loads.cache_clear()
+
+
+def test_schedule_is_planned_by_the_first_layer_of_every_pass():
+    """The first layer to ask plans; other layers reuse its plan; the planner asking again (a new pass over the
+    same batch: a graph's warm-up, then its capture) plans again, and the others then take the new plan."""
+    sched = DecodeSchedule()
+    assert sched.take(owner=1) is None  # layer 1 plans
+    first = (torch.zeros(2), torch.zeros(3))
+    sched.plan = first
+    assert sched.take(owner=2) is first and sched.take(owner=3) is first
+    assert sched.take(owner=1) is None and sched.plan is None  # the next pass: layer 1 plans again
+    second = (torch.ones(2), torch.ones(3))
+    sched.plan = second
+    assert sched.take(owner=2) is second
+
+
+def test_mla_absorbed_hands_flashmla_one_schedule_per_step_and_its_query_buffer(monkeypatch):
+    """mla.py's FlashMLA branch (the kernel replaced by the Triton reference so it runs anywhere): the query
+    buffer holds q_nope . W_UK and q_pe in FlashMLA's [T, H, 576] layout; two layers of one step share one
+    DecodeSchedule, a new step's dict gives a new one; the result equals the Triton branch's."""
+    import kernels.paged_attention.mla as mla
+    from kernels.paged_attention.meta import build_attn_meta
+
+    h, nope, rope, v, r, page = 4, 16, 64, 16, 512, 64
+    ctx = [3, 70, 129]
+    _, _, latent, _, bt, _ = _setup(ctx, h, r, rope, page, seed=5)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(len(ctx), h, nope + rope, generator=g).to(DEVICE)
+    kv_b = (torch.randn(h * (nope + v), r, generator=g) * r**-0.5).to(DEVICE)
+    meta = build_attn_meta([1] * len(ctx), ctx, h, 16, DEVICE, block_tables=bt)
+    seen = []
+
+    def fake(q_lat, q_pe, cache, block_tables, ctx_lens, scale, out=None, schedule=None, q=None):
+        seen.append((schedule, q.clone()))
+        return mla.mla_decode_fwd(q_lat, q_pe, cache, block_tables, ctx_lens, max(ctx), scale)
+
+    monkeypatch.setattr(mla, "use_flashmla", lambda cache, heads: True)
+    monkeypatch.setattr(mla, "flashmla_unusable", lambda cache, heads: None)  # a CPU cache passes here
+    monkeypatch.setattr(mla, "flashmla_decode_fwd", fake)
+    args = (kv_b, r, nope, v, 0.1)
+    step = {}
+    out = mla.mla_absorbed(q, latent, meta, *args, schedules=step)
+    mla.mla_absorbed(q, latent.clone(), meta, *args, schedules=step)  # the step's second MLA layer
+    mla.mla_absorbed(q, latent, meta, *args, schedules={})  # the next step
+    assert isinstance(seen[0][0], DecodeSchedule) and seen[1][0] is seen[0][0] and seen[2][0] is not seen[0][0]
+    w_uk = kv_b.view(h, nope + v, r)[:, :nope]
+    q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+    buf = seen[0][1]
+    assert buf.shape == (len(ctx), h, r + rope)
+    assert_close("q_lat slice", q_lat, buf[..., :r], tol(torch.float32))
+    assert torch.equal(buf[..., r:], q[..., nope:])
+    monkeypatch.setattr(mla, "use_flashmla", lambda cache, heads: False)
+    assert_close("vs the Triton branch", mla.mla_absorbed(q, latent, meta, *args), out, tol(torch.float32))
+
+
+@pytest.mark.skipif(
+    not ON_SM90 or bool(missing_sources(source_dir())),
+    reason="needs an sm90 GPU and the FlashMLA sources (kernels/flashmla/fetch_sources.sh); CI has neither",
+)
+def test_shared_schedule_and_query_buffer_inside_a_cuda_graph_on_sm90():
+    """Two layers sharing one DecodeSchedule, their queries in FlashMLA's buffer, captured as one CUDA graph
+    after a warm-up pass over the same buffers; replayed with other lengths, each layer still equals the fp32
+    reference: the capture holds its own planning kernel (the warm-up's plan is not baked in)."""
+    ctx0 = [5, 300, 1000, 64]
+    q_lat, q_pe, lat_a, tables, bt, ctx_t = _setup([4097] * 4, 32, 512, 64, 64, dtype=torch.bfloat16)
+    lat_b = lat_a.roll(1, dims=0).contiguous()  # a second layer's cache: the same pages, other contents
+    q = torch.cat([q_lat, q_pe], dim=-1).contiguous()
+    scale = 192**-0.5
+    ctx_t.copy_(torch.tensor(ctx0, dtype=torch.int32))
+
+    def step(schedules: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = []
+        for lat in (lat_a, lat_b):
+            sched = schedules.setdefault("s", DecodeSchedule())
+            outs.append(flashmla_decode_fwd(q[..., :512], q[..., 512:], lat, bt, ctx_t, scale, schedule=sched, q=q))
+        return outs[0], outs[1]
+
+    schedules: dict = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(schedules)  # warm-up: plans for ctx0
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_a, out_b = step(schedules)
+    for lens in (ctx0, [4097, 1, 2048, 65]):
+        ctx_t.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, lat, out in (("layer a", lat_a, out_a), ("layer b", lat_b, out_b)):
+            ref = _reference(q_lat, q_pe, lat, tables, lens, scale)
+            err = (out.float().cpu() - ref).abs().max().item()
+            assert err < 2e-2, f"{name}, lengths {lens}: max error {err:.3g}"
