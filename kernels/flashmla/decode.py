@@ -104,12 +104,6 @@ class DecodeSchedule:
         return None
 
 
-def flashmla_q(q_lat_shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    """An empty [B, H, 576] query in FlashMLA's layout: the absorbed q_lat and the rope part written into its
-    slices (``flashmla_decode_fwd(q=...)``) instead of concatenated after."""
-    return like.new_empty(*q_lat_shape, RANK + ROPE)
-
-
 def flashmla_decode_fwd(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -127,7 +121,8 @@ def flashmla_decode_fwd(
     int32; ctx_lens [B] int32 on the device (read there: no host sync, so a CUDA graph can replay it with new
     lengths — FlashMLA plans its splits from them in a kernel of its own). Returns o_lat [B, H, 512].
     schedule: the step's shared plan (``DecodeSchedule``; None: plan in this call). q: a contiguous
-    [B, H, 576] buffer whose slices q_lat / q_pe already are (``flashmla_q``; None: concatenated here).
+    [B, H, 576] buffer whose slices q_lat / q_pe already are (written there by their producers; None: concatenated
+    here).
     """
     b, h, r = q_lat.shape
     why = flashmla_unusable(latent_cache, h)
@@ -144,7 +139,7 @@ def flashmla_decode_fwd(
         or q_lat.data_ptr() != q.data_ptr()
         or q_pe.data_ptr() != q[..., RANK:].data_ptr()
     ):
-        raise ValueError("q must be the contiguous [B, H, 576] buffer whose slices q_lat / q_pe are (flashmla_q)")
+        raise ValueError("q must be the contiguous [B, H, 576] buffer whose slices q_lat / q_pe are")
     if block_tables.dtype != torch.int32 or block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(
             f"block_tables must be int32 [{b}, max_pages], got {block_tables.dtype} {tuple(block_tables.shape)}"
@@ -179,7 +174,6 @@ __all__ = [
     "PAGE_SIZE",
     "DecodeSchedule",
     "flashmla_decode_fwd",
-    "flashmla_q",
     "flashmla_unusable",
     "mla_decode_impl",
     "use_flashmla",

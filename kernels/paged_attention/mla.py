@@ -11,15 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 
-from kernels.flashmla.decode import (
-    RANK,
-    ROPE,
-    DecodeSchedule,
-    flashmla_decode_fwd,
-    flashmla_q,
-    flashmla_unusable,
-    use_flashmla,
-)
+from kernels.flashmla.decode import RANK, ROPE, DecodeSchedule, flashmla_decode_fwd, use_flashmla
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.mla_decode import mla_decode_fwd
 from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable, mla_keys_values
@@ -123,12 +115,9 @@ def _flashmla_absorbed(
     query (cuBLAS takes the slice's row stride) and the rope part copied beside it, instead of a transpose
     copy, a contiguous copy and a concatenation; the split plan comes from the step's shared schedule."""
     t, h = q_nope.shape[0], q_nope.shape[1]
-    why = flashmla_unusable(latent_cache, h)  # forced (TANDEM_MLA_DECODE_IMPL=flashmla) onto a cache it cannot take
-    if why is None and (w_uk.shape[-1], q_pe.shape[-1]) != (RANK, ROPE):
-        why = f"latent {w_uk.shape[-1]} + rope {q_pe.shape[-1]} (FlashMLA takes {RANK} + {ROPE})"
-    if why is not None:
-        raise ValueError(f"flashmla_decode_fwd: {why}")
-    q = flashmla_q((t, h), q_nope)
+    if (w_uk.shape[-1], q_pe.shape[-1]) != (RANK, ROPE):  # the rest is checked by flashmla_decode_fwd
+        raise ValueError(f"flashmla_decode_fwd: latent {w_uk.shape[-1]} + rope {q_pe.shape[-1]}, not {RANK} + {ROPE}")
+    q = q_nope.new_empty(t, h, RANK + ROPE)
     q_lat, q_rope = q[..., :RANK], q[..., RANK:]
     torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype), out=q_lat.transpose(0, 1))
     q_rope.copy_(q_pe)

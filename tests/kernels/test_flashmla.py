@@ -151,7 +151,6 @@ def test_mla_absorbed_hands_flashmla_one_schedule_per_step_and_its_query_buffer(
         return mla.mla_decode_fwd(q_lat, q_pe, cache, block_tables, ctx_lens, max(ctx), scale)
 
     monkeypatch.setattr(mla, "use_flashmla", lambda cache, heads: True)
-    monkeypatch.setattr(mla, "flashmla_unusable", lambda cache, heads: None)  # a CPU cache passes here
     monkeypatch.setattr(mla, "flashmla_decode_fwd", fake)
     args = (kv_b, r, nope, v, 0.1)
     step = {}
