@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench.mid.hf_bench import block_fla
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -69,6 +70,8 @@ def agreement(
             gpu = eng
         else:
             del eng
+    if torch.device(device).type == "cpu":  # fla's Triton kernels, which transformers takes when it imports, need a GPU
+        block_fla()
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()

@@ -32,6 +32,9 @@
 #                                            # with TANDEM_MOE_DOWN_IMPL=grouped_mm and =auto (two processes)
 #   bash bench/gpu_session.sh kda-gate-ab    # 1 x H200: the KDA gate inside fla's chunk cumsum (TANDEM_KDA_GATE_IN_CHUNK)
 #                                            # tests on the GPU, then prefill 8k / 32k without and with it
+#   bash bench/gpu_session.sh residual-ab    # 1 x H200: the residual sum carried into the next layer's norm
+#                                            # (TANDEM_FUSED_RESIDUAL=0|1, two processes: prefill 8k, decode
+#                                            # b1 / b16 / b64 at 4k / 32k), its tests, then the mla512 agreement
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -52,7 +55,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -78,6 +81,12 @@ case "$step" in
       | tee "$OUT/gpu_tests_kda_gate.txt"
     for v in 0 1; do TANDEM_KDA_GATE_IN_CHUNK=$v python -m bench.gpu_mid --parts tandem --prefill 8192 32768 --ctx 1024 \
       --batches 1 --decode-steps 2 --repeat 3 --out "$OUT/mid_kda_gate_$v.json" "$@"; done ;;
+  residual-ab) python -m pytest -q -p no:cacheprovider tests/kernels/test_norm_fla.py tests/test_residual_fusion.py \
+      | tee "$OUT/gpu_tests_residual.txt"
+    for v in 0 1; do TANDEM_FUSED_RESIDUAL=$v python -m bench.gpu_mid --parts tandem --prefill 8192 --ctx 4096 32768 \
+      --batches 1 16 64 --profile-batches 1 16 --decode-steps 20 --repeat 2 --out "$OUT/mid_fused_residual_$v.json" "$@"
+    done
+    python -m bench.gpu_agreement --arch kimi_linear --preset mla512 | tee "$OUT/agreement_fused_residual.txt" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   flashmla) python -m bench.flashmla_check --out "$OUT/flashmla_check.json" | tee "$OUT/flashmla_check.txt"
     for impl in flashmla triton; do

@@ -12,7 +12,17 @@ from engine.backends import Backends
 from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
-from engine.models.layers import RMSNorm
+from engine.models.layers import RMSNorm, layer_output
+
+
+def fused_residual_adds() -> bool:
+    """``TANDEM_FUSED_RESIDUAL``: 1 (default) carries each layer's residual sum into the next norm; 0 adds it
+    after every layer, then a plain norm — the kernels before the fusion, for A / B runs (same values on
+    the reference path: the same adds in another place)."""
+    choice = os.environ.get("TANDEM_FUSED_RESIDUAL", "1").strip() or "1"
+    if choice not in ("0", "1"):
+        raise ValueError(f"TANDEM_FUSED_RESIDUAL must be 0 or 1, got {choice!r}")
+    return choice == "1"
 
 
 class CausalLM(nn.Module):
@@ -35,6 +45,7 @@ class CausalLM(nn.Module):
         self.layer_hooks: list[Callable[[int, ForwardBatch], None]] = []
         """Called after each layer with (layer index, batch): the P/D producer streams the layer's
         finished pages and state from here while the next layers compute."""
+        self.fuse_residual = fused_residual_adds()
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -43,19 +54,24 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """Returns final-normed hidden states [T, hidden]."""
         assert self.backends is not None, "set model.backends before running"
-        h = self.model.embed_tokens(batch.input_ids)
+        h, residual = self.model.embed_tokens(batch.input_ids), None
         taps: dict[int, torch.Tensor] = {}
         if -1 in self.aux_layer_ids:
             taps[-1] = h[batch.logits_indices]
         for i, layer in enumerate(self.layers):
-            h = layer(h, batch, cache, self.backends)
+            h, residual = layer(h, residual, batch, cache, self.backends)  # layer i's output is h + residual
+            if not self.fuse_residual:
+                h, residual = layer_output(h, residual), None
             if i in self.aux_layer_ids:
-                taps[i] = h[batch.logits_indices]
+                idx = batch.logits_indices
+                taps[i] = layer_output(h[idx], None if residual is None else residual[idx])
             for hook in self.layer_hooks:
                 hook(i, batch)
         if self.aux_layer_ids:
             self.aux_states = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
-        return self.model.norm(h, self.backends)
+        if residual is None:
+            return self.model.norm(h, self.backends)
+        return self.model.norm.add(h, residual, self.backends)[0]
 
     def pack_weights(self) -> None:
         """Stack the weights that one input multiplies into one tensor per block (views keep the parameter

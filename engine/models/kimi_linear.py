@@ -16,7 +16,14 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, GatedRMSNorm, PackedProjection, RMSNorm, router_logits
+from engine.models.layers import (
+    GatedMLP,
+    GatedRMSNorm,
+    PackedProjection,
+    PreNormDecoderLayer,
+    RMSNorm,
+    router_logits,
+)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -160,7 +167,7 @@ class SparseMoE(nn.Module):
         return be.moe.experts(x, weights, ids, ex.w1, ex.w3, ex.w2, w13=self.w13, add=shared)  # routed + shared
 
 
-class KimiDecoderLayer(nn.Module):
+class KimiDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         kind = cfg.layer_kinds[layer_idx]
@@ -173,9 +180,8 @@ class KimiDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(h, be), batch, cache, be), h, be)
-        return h + (self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x))
+    def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+        return self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x)
 
 
 class KimiLinearForCausalLM(CausalLM):

@@ -14,6 +14,8 @@ from kernels.activation import silu_mul
 
 if TYPE_CHECKING:
     from engine.backends import Backends
+    from engine.cache.tensors import CacheTensors
+    from engine.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,38 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual add fused into the norm where the backend can."""
         return _norms(be).add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class PreNormDecoderLayer(nn.Module):
+    """HF's pre-norm decoder layer — ``h + attn(norm(h))``, then ``+ mlp(norm(.))`` — with the residual sum
+    carried to the next layer instead of added here (vLLM's ``(hidden, residual)`` form): every residual add
+    happens inside the norm after it (``RMSNorm.add``), so on CUDA a layer launches no add of its own.
+
+    Subclasses set ``self_attn``, ``input_layernorm``, ``post_attention_layernorm`` and ``feed_forward``."""
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: CacheTensors, be: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous layer's MLP output, the residual sum before it) -> this layer's pair; the layer's
+        output is their sum (``layer_output``). residual None: ``h`` is the whole input (the embeddings, or a
+        pipeline stage's received hidden states)."""
+        if residual is None:
+            x, residual = self.input_layernorm(h, be), h
+        else:
+            x, residual = self.input_layernorm.add(h, residual, be)
+        x, residual = self.post_attention_layernorm.add(self.self_attn(x, batch, cache, be), residual, be)
+        return self.feed_forward(x, be), residual
+
+
+def layer_output(h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """A decoder layer's output from its ``(h, residual)`` pair: the add its next norm would have fused."""
+    return h if residual is None else h + residual
 
 
 class GatedRMSNorm(nn.Module):

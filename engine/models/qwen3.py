@@ -10,7 +10,7 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, PackedProjection, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, PackedProjection, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
 
 
 class Qwen3Attention(nn.Module):
@@ -51,7 +51,7 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(o.reshape(t, -1))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, layer_idx)
@@ -59,9 +59,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add(self.self_attn(self.input_layernorm(h, be), batch, cache, be), h, be)
-        return h + self.mlp(x)
+    def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+        return self.mlp(x)
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -22,6 +22,7 @@ import torch
 
 from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
+from engine.models.layers import layer_output
 from engine.parallel.groups import ParallelGroups
 from engine.parallel.pcp import PCPForwardBatch, localize
 from engine.parallel.plan import StepPlan, split_batch, to_device
@@ -74,15 +75,16 @@ class StageRunner:
         for mb_host in split_batch(batch, plan.num_microbatches):
             mb = to_device(mb_host, self.device)
             local = localize(mb, self.groups) if self.pcp else mb
-            h = self._stage_input(local)
+            h, residual = self._stage_input(local), None
             if -1 in captured:
                 captured[-1].append(self._rows(h, local, mb_host))
             for i in self.stage.layers:
-                h = self.model.model.layers[i](h, local, self.cache, self.model.backends)
+                h, residual = self.model.model.layers[i](h, residual, local, self.cache, self.model.backends)
                 if i in captured:
-                    captured[i].append(self._rows(h, local, mb_host))
+                    captured[i].append(self._rows(layer_output(h, residual), local, mb_host))
                 for hook in self.model.layer_hooks:
                     hook(i, mb)
+            h = layer_output(h, residual)  # what the next stage receives, and the final norm's input here
             if not self.groups.is_last_stage:
                 in_flight.append((self.groups.isend(h, self.groups.next_rank), h))
             elif mb.logits_indices.numel():
