@@ -17,8 +17,9 @@ from engine.models.layers import RMSNorm, layer_output
 
 def fused_residual_adds() -> bool:
     """``TANDEM_FUSED_RESIDUAL``: 1 (default) carries each layer's residual sum into the next norm; 0 adds it
-    after every layer, then a plain norm — the kernels before the fusion, for A / B runs (same values on
-    the reference path: the same adds in another place)."""
+    after every layer, then a plain norm — the kernels before the fusion, for A / B runs of the one-process
+    forward (same values on the reference path: the same adds in another place). Pipeline stages
+    (engine/parallel/runner.py) always carry the pair and add it once at their boundary."""
     choice = os.environ.get("TANDEM_FUSED_RESIDUAL", "1").strip() or "1"
     if choice not in ("0", "1"):
         raise ValueError(f"TANDEM_FUSED_RESIDUAL must be 0 or 1, got {choice!r}")
