@@ -35,6 +35,11 @@
 #   bash bench/gpu_session.sh residual-ab    # 1 x H200: the residual sum carried into the next layer's norm
 #                                            # (TANDEM_FUSED_RESIDUAL=0|1, two processes: prefill 8k, decode
 #                                            # b1 / b16 / b64 at 4k / 32k), its tests, then the mla512 agreement
+#   bash bench/gpu_session.sh launch-cuts    # 1 x H200: the decode launch cuts' tests (latent write, KDA gate in the
+#                                            # recurrent kernel, FlashMLA plan), the FlashMLA split-count sweep
+#   bash bench/gpu_session.sh launch-cuts-ab # 1 x H200: decode b1 / b16 / b64 at 4k / 32k + prefill 8k, the tree of
+#                                            # the last commit (carry BASELINE=.baseline: `git archive HEAD`) against
+#                                            # this one, in two processes on one machine
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -55,7 +60,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -87,6 +92,17 @@ case "$step" in
       --batches 1 16 64 --profile-batches 1 16 --decode-steps 20 --repeat 2 --out "$OUT/mid_fused_residual_$v.json" "$@"
     done
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 | tee "$OUT/agreement_fused_residual.txt" ;;
+  launch-cuts) python -m pytest -q -p no:cacheprovider tests/kernels/test_latent_write.py tests/kernels/test_flashmla.py \
+      tests/kernels/test_flashmla_plan.py tests/kernels/test_kda_fla.py tests/kernels/test_short_conv_planes.py \
+      tests/kernels/test_norm_fla.py -k "latent or flashmla or plan or gate or decode_1d or norm" 2>&1 \
+      | tee "$OUT/gpu_tests_launch_cuts.txt"
+    python -m bench.flashmla_parts --out "$OUT/flashmla_parts.json" "$@" | tee "$OUT/flashmla_parts.txt" ;;
+  launch-cuts-ab) base="${BASELINE:-.baseline}"
+    test -d "$base" || { echo "no baseline tree at $base (git archive HEAD into it, carry it)" >&2; exit 2; }
+    args=(--parts tandem --prefill 8192 --ctx 4096 32768 --batches 1 16 64 --profile-batches 1 16 --decode-steps 20
+      --repeat 2)
+    (cd "$base" && PYTHONPATH="/tmp/site:$PWD" python -m bench.gpu_mid "${args[@]}" --out "$OUT/mid_before.json" "$@")
+    python -m bench.gpu_mid "${args[@]}" --out "$OUT/mid_after.json" "$@" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   flashmla) python -m bench.flashmla_check --out "$OUT/flashmla_check.json" | tee "$OUT/flashmla_check.txt"
     for impl in flashmla triton; do

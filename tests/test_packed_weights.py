@@ -27,6 +27,7 @@ def test_packed_model_computes_the_same(model_dir):
     packed_by = {
         "in_proj": ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"),  # KDA
         "qkv": ("q_proj", "k_proj", "v_proj"),  # GQA
+        "q_kv_a": ("q_proj", "kv_a_proj_with_mqa"),  # MLA (decode-sized steps)
         "gate_up": ("gate_proj", "up_proj"),
     }  # dense MLPs, shared experts
     n_packed = 0
@@ -39,6 +40,10 @@ def test_packed_model_computes_the_same(model_dir):
             ptr = pp.weight.untyped_storage().data_ptr()
             assert all(getattr(mod, lin).weight.untyped_storage().data_ptr() == ptr for lin in linears), attr
     assert n_packed >= eng.model_config.num_hidden_layers
+    for mod in eng.model.modules():  # KDA's f_b | g_b: one [2, P, K] tensor for one batched GEMM
+        if getattr(mod, "fg_b", None) is not None:
+            ptr = mod.fg_b.untyped_storage().data_ptr()
+            assert all(getattr(mod, lin).weight.untyped_storage().data_ptr() == ptr for lin in ("f_b_proj", "g_b_proj"))
     for mod in eng.model.modules():  # KDA's q|k|v conv kernels: one tensor, built once
         if getattr(mod, "_conv_packed", None) is not None:
             ptr = mod._conv_packed.untyped_storage().data_ptr()

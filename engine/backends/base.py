@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backends.norm import TorchNormBackend
 from engine.forward_batch import ForwardBatch
 
 
@@ -24,6 +25,22 @@ class AttentionBackend(ABC):
     def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
         """Store this step's per-token entries [T, *entry] into their pages; rows whose
         batch.slot_mapping is -1 are skipped (their KV is reused from the prefix cache)."""
+
+    def write_mla_latent(
+        self,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        kv_a: torch.Tensor,
+        kv_lora_rank: int,
+        norm_weight: torch.Tensor,
+        eps: float,
+        norms: TorchNormBackend,
+    ) -> None:
+        """Store MLA's latent ``RMSNorm(c_kv) | k_pe`` from kv_a_proj's output [T, kv_lora_rank + rope] (``norms``:
+        the model's norm backend). Here the model's ops through ``write_kv``; a backend may write it in one
+        launch (the GPU backend: kernels/paged_attention/latent_write.py)."""
+        c_kv, k_pe = kv_a.split([kv_lora_rank, kv_a.shape[-1] - kv_lora_rank], dim=-1)
+        self.write_kv(cache, batch, torch.cat([norms.rms_norm(c_kv, norm_weight, eps), k_pe], dim=-1))
 
     @abstractmethod
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
@@ -98,12 +115,15 @@ class KDABackend(ABC):
         g_raw: torch.Tensor,
         a_log: torch.Tensor,
         dt_bias: torch.Tensor,
-        beta: torch.Tensor,
+        beta_logits: torch.Tensor,
         state_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """``gate`` of the raw gate projection g_raw [T, H*K], then ``conv_recurrence``: the KDA layer's call, so
-        a backend may apply the gate inside its recurrence instead (the GPU backend's ``gate_in_chunk``)."""
+        """``gate`` of the raw gate projection g_raw [T, H*K] and beta = sigmoid(beta_logits) [T, H] (HF's
+        ``b_proj(x).sigmoid()``, in the logits' dtype), then ``conv_recurrence``: the KDA layer's call, so a
+        backend may apply the gate and the sigmoid inside its kernels instead (the GPU backend: prefill chunks
+        with ``gate_in_chunk``, decode steps in fla's recurrent kernel)."""
+        beta = torch.sigmoid(beta_logits)
         g = self.gate(g_raw, a_log, dt_bias, g_raw.shape[-1] // beta.shape[-1])
         return self.conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
 
@@ -134,8 +154,17 @@ class MoEBackend(ABC):
         top_k: int,
         renormalize: bool,
         scaling_factor: float,
+        extra_expert: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sigmoid top-k routing -> (weights [T, k] fp32, expert ids [T, k])."""
+        """Sigmoid top-k routing -> (weights [T, k] fp32, expert ids [T, k]). extra_expert: one more column,
+        (extra_expert, 1.0) for every token, i.e. [T, k + 1] (the shared expert taken as a routed one)."""
+
+    def folds_shared(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` rows should run the shared expert as one more routed expert (index E of
+        weight tensors holding E + 1 experts, routing weight 1.0: ``route(extra_expert=E)``) instead of as a
+        separate MLP added after. The sum is the same function; a backend whose expert kernels take it in the
+        same launches says yes (the GPU backend at decode sizes: three launches a MoE layer fewer)."""
+        return False
 
     @abstractmethod
     def experts(

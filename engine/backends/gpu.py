@@ -17,6 +17,7 @@ import torch
 from engine.backends.base import AttentionBackend, MLADims, MoEBackend
 from engine.backends.gpu_kda import GPUKDABackend, gpu_kda_backend
 from engine.backends.gpu_static import static_attn_meta, static_mla_parts
+from engine.backends.norm import TorchNormBackend
 from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch, kv_write_fields
 from kernels.moe.align import moe_align_auto
@@ -26,6 +27,7 @@ from kernels.moe.decode import moe_experts_decode
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.triton import sigmoid_topk_route_triton
+from kernels.paged_attention.latent_write import write_mla_latent_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
 from kernels.paged_attention.triton import attention_fwd
@@ -69,6 +71,20 @@ class GPUAttentionBackend(AttentionBackend):
         else:
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping[keep]] = entries[keep].to(cache.dtype)
 
+    def write_mla_latent(
+        self,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        kv_a: torch.Tensor,
+        kv_lora_rank: int,
+        norm_weight: torch.Tensor,
+        eps: float,
+        norms: TorchNormBackend,
+    ) -> None:
+        """One launch (norm, k_pe and the page scatter; slot -1 rows skipped on the device) instead of the
+        contiguous copy, norm, concatenation and scatter of the model's form."""
+        write_mla_latent_triton(cache, batch.slot_mapping, kv_a, norm_weight, eps, kv_lora_rank)
+
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         group, d = q.shape[1] // cache.shape[3], q.shape[-1]
         if batch.decode_meta is not None:
@@ -98,7 +114,7 @@ class GPUAttentionBackend(AttentionBackend):
         else:
             parts = self._plan_mla(batch, q, h, page_size, dims)
         return run_mla(
-            q.contiguous(),
+            q,  # may be a strided view (a packed projection's columns): run_mla copies it only where needed
             cache,
             parts,
             kv_b_weight,
@@ -124,6 +140,11 @@ class GPUAttentionBackend(AttentionBackend):
                 self.mla_expand_min_q_len,
             ),
         )
+
+
+FOLD_SHARED_MAX_TOKENS = 16
+"""Steps of at most this many rows run the shared expert inside the decode kernels (``folds_shared``): at these
+sizes an expert's rows fit one row block of the decode tile; ``TANDEM_MOE_FOLD_SHARED=0`` keeps it separate."""
 
 
 class GPUMoEBackend(MoEBackend):
@@ -159,6 +180,7 @@ class GPUMoEBackend(MoEBackend):
             raise ValueError(
                 f"MoE down_impl (TANDEM_MOE_DOWN_IMPL) must be auto, grouped_mm, triton or tma, got {self.down_impl!r}"
             )
+        self.fold_shared = self.decode_kernels and os.environ.get("TANDEM_MOE_FOLD_SHARED", "1").strip() != "0"
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -182,10 +204,18 @@ class GPUMoEBackend(MoEBackend):
         top_k: int,
         renormalize: bool,
         scaling_factor: float,
+        extra_expert: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return sigmoid_topk_route_triton(
-            router_logits.contiguous(), correction_bias, top_k, renormalize, scaling_factor
+            router_logits.contiguous(), correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
         )
+
+    def folds_shared(self, num_tokens: int) -> bool:
+        """Decode-sized steps (at most ``FOLD_SHARED_MAX_TOKENS`` rows) on the decode kernels: the shared expert is
+        one more expert there, with one row block like the routed ones (``decode_tiles``), instead of its own
+        gate-up GEMM, SwiGLU and down GEMM. Longer steps keep it separate (its rows would walk its weights once
+        per row block, the longest program of the launch)."""
+        return self.fold_shared and 0 < num_tokens <= FOLD_SHARED_MAX_TOKENS and not self._decode_failed
 
     def experts(
         self,
@@ -202,7 +232,7 @@ class GPUMoEBackend(MoEBackend):
         if w13 is not None and 0 < pairs <= DECODE_MAX_PAIRS and self._decode_path(x):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
-                y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2)
+                y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2, ids=ids.reshape(-1))
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # e.g. a compile failure on an untried GPU: the grouped path, for good
                 self._decode_failed = True

@@ -50,6 +50,14 @@ interpreter: the host tests check the wiring with the reference chunk function).
 gates first (A/B runs)."""
 
 
+DECODE_GATE_IN_KERNEL = os.environ.get("TANDEM_KDA_DECODE_GATE_IN_KERNEL", "1").strip() != "0"
+"""All-decode steps hand fla's recurrent kernel the raw gate projection and beta's logits
+(``USE_GATE_IN_KERNEL``, ``APPLY_BETA_SIGMOID``): the gate kernel, the sigmoid (a view of one row at batch 1: no
+copy left) and the output's zero fill leave the decode step, 2-3 launches a KDA layer. The gate is fla's gate
+kernel's formula, so g is bit for bit the same; beta stays fp32 instead of being rounded to bf16 first.
+``TANDEM_KDA_DECODE_GATE_IN_KERNEL=0`` gates and takes the sigmoid first (A/B runs)."""
+
+
 class _Round:
     """One chunk_kda launch: one segment of each of some sequences (segments of a sequence run in order)."""
 
@@ -179,11 +187,14 @@ class GPUKDABackend(KDABackend):
         exact_checkpoints: bool = False,
         planes_min_len: int | None = None,
         gate_in_chunk: bool | None = None,
+        decode_gate_in_kernel: bool | None = None,
     ) -> None:
         self.chunk_fn = chunk_fn or chunk_kda_varlen
         self.exact_checkpoints = exact_checkpoints
         self.gate_in_chunk = GATE_IN_CHUNK if gate_in_chunk is None else gate_in_chunk
         """Prefill-only steps: the gate applied inside chunk_fn (``GATE_IN_CHUNK``)."""
+        self.decode_gate_in_kernel = DECODE_GATE_IN_KERNEL if decode_gate_in_kernel is None else decode_gate_in_kernel
+        """All-decode steps: the gate and beta's sigmoid applied inside fla's recurrent kernel."""
         if planes_min_len is None and CONV_PLANES:
             planes_min_len = PLANES_MIN_LEN
         self.planes_min_len = planes_min_len
@@ -334,19 +345,32 @@ class GPUKDABackend(KDABackend):
         g_raw: torch.Tensor,
         a_log: torch.Tensor,
         dt_bias: torch.Tensor,
-        beta: torch.Tensor,
+        beta_logits: torch.Tensor,
         state_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """With ``gate_in_chunk``, prefill-only steps pass the raw gate to chunk_fn; other steps as the base."""
-        m = self._meta(batch, qkv.device) if self.gate_in_chunk else None
-        if not isinstance(m, _KDAStep) or m.dec_slots is not None:  # off (the default), or decode rows
-            return super().gated_conv_recurrence(
-                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, batch
-            )
-        t, h = beta.shape
-        g = g_raw.view(t, h, -1)  # raw: chunk_fn applies the gate
+        """All-decode steps (``decode_gate_in_kernel``): the raw gate and beta's logits go to fla's recurrent
+        kernel, which applies both as it reads them. Prefill-only steps with ``gate_in_chunk``: the raw gate
+        to chunk_fn. Other steps as the base."""
+        t, h = beta_logits.shape
         gate = (a_log, dt_bias)
+        m = self._meta(batch, qkv.device)
+        if self.decode_gate_in_kernel and m.all_decode:
+            q, k, v = (z.reshape(t, h, -1) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
+            g = g_raw.view(t, h, -1)
+            return self.recurrence(q, k, v, g, beta_logits, state_cache, batch, gate=gate, beta_logits=True)
+        beta = torch.sigmoid(beta_logits)
+        if not self.gate_in_chunk or not isinstance(m, _KDAStep) or m.dec_slots is not None:  # decode rows
+            return self.conv_recurrence(
+                qkv,
+                conv_cache,
+                conv_weight,
+                self.gate(g_raw, a_log, dt_bias, g_raw.shape[-1] // h),
+                beta,
+                state_cache,
+                batch,
+            )
+        g = g_raw.view(t, h, -1)  # raw: chunk_fn applies the gate
         if self._planes_fit(qkv, batch, m, g.shape[-1]):
             return self._planes_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch, gate)
         q, k, v = (z.reshape(g.shape) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
@@ -387,12 +411,18 @@ class GPUKDABackend(KDABackend):
         batch: ForwardBatch,
         qk_normalized: bool = False,
         gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        beta_logits: bool = False,
     ) -> torch.Tensor:
-        """``qk_normalized``: q and k come L2-normed (``conv_planes``); ``gate`` (A_log, dt_bias): g is the raw gate
-        projection, applied inside chunk_fn. Both for prefill-only steps (the decode kernel takes neither)."""
+        """``qk_normalized``: q and k come L2-normed (``conv_planes``), prefill-only steps. ``gate`` (A_log,
+        dt_bias): g is the raw gate projection, applied inside chunk_fn (prefill-only steps) or fla's recurrent
+        kernel (all-decode steps). ``beta_logits``: beta holds the logits, their sigmoid taken in the recurrent
+        kernel (all-decode steps)."""
         m = self._meta(batch, q.device)
-        if (qk_normalized or gate is not None) and (not isinstance(m, _KDAStep) or m.dec_slots is not None):
-            raise ValueError("qk_normalized / a raw gate are for prefill-only steps: the decode kernel takes neither")
+        prefill_only = isinstance(m, _KDAStep) and m.dec_slots is None
+        if qk_normalized and not prefill_only:
+            raise ValueError("qk_normalized is for prefill-only steps: the decode kernel norms q and k itself")
+        if (gate is not None and not (prefill_only or m.all_decode)) or (beta_logits and not m.all_decode):
+            raise ValueError("a raw gate is for prefill-only or all-decode steps, beta logits for all-decode steps")
         if m.fresh is not None:
             state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
         for slot, dst in m.pre_copies:
@@ -400,7 +430,9 @@ class GPUKDABackend(KDABackend):
         # o stays in fla's output dtype (v's): the model casts it to its own dtype (v's) next, so widening it
         # to fp32 here was a lossless round trip of two full-size copies per layer
         if m.all_decode:
-            out = fused_recurrent_kda_slots(q, k, v, g, beta, state_cache, m.dec_slots)
+            out = fused_recurrent_kda_slots(
+                q, k, v, g, beta, state_cache, m.dec_slots, gate=gate, beta_logits=beta_logits
+            )
             for slot, dst in m.dec_copies:
                 state_cache[dst] = state_cache[slot]
             return out

@@ -113,8 +113,14 @@ class TorchMoEBackend(MoEBackend):
         top_k: int,
         renormalize: bool,
         scaling_factor: float,
+        extra_expert: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return sigmoid_topk_route(router_logits, correction_bias, top_k, renormalize, scaling_factor)
+        weights, ids = sigmoid_topk_route(router_logits, correction_bias, top_k, renormalize, scaling_factor)
+        if extra_expert is None:
+            return weights, ids
+        return torch.cat([weights, weights.new_ones(weights.shape[0], 1)], 1), torch.cat(
+            [ids, ids.new_full((ids.shape[0], 1), extra_expert)], 1
+        )
 
     def experts(
         self,

@@ -52,11 +52,17 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(p, cfg.hidden_size, bias=False)
         self.in_proj: PackedProjection | None = None
         """q | k | v | f_a | g_a | b as one GEMM (pack_weights), else six."""
+        self.fg_b: torch.Tensor | None = None
+        """f_b | g_b weights as one [2, P, K] tensor (pack_weights): both low-rank up-projections in one batched
+        GEMM over the adjacent f_a | g_a columns of in_proj's output, one launch a layer less."""
         self._conv_packed: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
         lins = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj]
         self.in_proj = PackedProjection(lins)
+        self.fg_b = torch.stack([self.f_b_proj.weight.data, self.g_b_proj.weight.data])
+        self.f_b_proj.weight = nn.Parameter(self.fg_b[0], requires_grad=False)
+        self.g_b_proj.weight = nn.Parameter(self.fg_b[1], requires_grad=False)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         packed = self.conv_weight()  # built once here instead of a cat per step
         for conv, view in zip(convs, packed.split([c.weight.shape[0] for c in convs]), strict=True):
@@ -74,21 +80,28 @@ class KimiDeltaAttention(nn.Module):
 
     def _mix(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
-        if self.in_proj is not None:
+        if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
-            qkv, f_a, g_a, b = self.in_proj(x).split([p3, *self.in_proj.sizes[3:]], dim=-1)  # qkv: [T, 3P] view
+            qkv, fg_a, b = self.in_proj(x).split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
+            # [2, T, K] (a strided view: cuBLAS reads it in place) @ [2, K, P] -> g_raw | the output gate
+            g_raw, out_gate = torch.bmm(fg_a.view(t, 2, hd).transpose(0, 1), self.fg_b.transpose(1, 2))
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
             f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
-        beta = torch.sigmoid(b)  # [T, H]
+            g_raw, out_gate = self.f_b_proj(f_a), self.g_b_proj(g_a)
         conv, state = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
-        g_raw = self.f_b_proj(f_a)  # [T, H*K]: the gate (log-space decay) is applied by the backend
+        # g_raw [T, H*K]: the gate (log-space decay), and b: beta's logits [T, H], are applied by the backend
+        # (inside its decode kernel on the GPU)
         o = be.kda.gated_conv_recurrence(
-            qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, beta, state, batch
+            qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, b, state, batch
         )
         o = o.to(x.dtype)
-        gate = self.g_b_proj(g_a).view(t, h, hd)
-        return self.o_proj(self.o_norm(o, gate, be).reshape(t, h * hd))
+        return self.o_proj(self.o_norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd))
+
+
+PACKED_QKV_A_MAX_ROWS = 256
+"""Steps up to this many rows take MLA's q | kv_a as one GEMM: a decode step is launch-bound, and the absorbed
+decode reads the strided q in place. Longer steps keep two GEMMs, so the prefill kernels get a contiguous q."""
 
 
 class KimiMLAAttention(nn.Module):
@@ -108,24 +121,32 @@ class KimiMLAAttention(nn.Module):
             cfg.kv_lora_rank, self.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.q_kv_a: PackedProjection | None = None
+        """q | kv_a as one GEMM (pack_weights), taken by steps of at most ``PACKED_QKV_A_MAX_ROWS`` rows."""
 
     def pack_weights(self) -> None:
-        """The cuDNN prefill path's stacked kv_b weight (keys whole out of one GEMM: kernels/paged_attention/
-        sdpa_prefill.py), built here where it will be used, so the cache is sized after it exists."""
+        """q_proj | kv_a_proj_with_mqa packed (one GEMM for decode-sized steps), and the cuDNN prefill path's
+        stacked kv_b weight (keys whole out of one GEMM: kernels/paged_attention/sdpa_prefill.py), built here
+        where it will be used, so the cache is sized after it exists."""
         from kernels.paged_attention.sdpa_prefill import cudnn_self_attention_usable, keys_values_weight
 
+        self.q_kv_a = PackedProjection([self.q_proj, self.kv_a_proj_with_mqa])
         w, d = self.kv_b_proj.weight, self.dims
         if cudnn_self_attention_usable(w.dtype, w.device, d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim):
             keys_values_weight(w, self.num_heads, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim, w.dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, -1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.dims.kv_lora_rank, self.dims.qk_rope_head_dim], -1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv, be), k_pe], dim=-1)
+        if self.q_kv_a is not None and t <= PACKED_QKV_A_MAX_ROWS:
+            q, kv_a = self.q_kv_a(x).split(self.q_kv_a.sizes, dim=-1)  # column views of one GEMM's output
+        else:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         kv_pages = cache.kv[self.layer_idx]
-        be.attention.write_kv(kv_pages, batch, latent)
-        o = be.attention.mla(q, kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale)
+        norm = self.kv_a_layernorm
+        be.attention.write_mla_latent(kv_pages, batch, kv_a, self.dims.kv_lora_rank, norm.weight, norm.eps, be.norm)
+        o = be.attention.mla(
+            q.view(t, self.num_heads, -1), kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale
+        )
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -143,25 +164,49 @@ class SparseMoE(nn.Module):
         self.experts.w2 = nn.Parameter(torch.zeros(e, h, i))  # down
         self.shared_experts = GatedMLP(h, i * cfg.num_shared_experts) if cfg.num_shared_experts else None
         self.w13: torch.Tensor | None = None
-        self._gate_fp32: torch.Tensor | None = None
         """experts.w1 | w3 as one [E, 2I, H] tensor (pack_weights): the gate and up GEMMs as one."""
+        self._gate_fp32: torch.Tensor | None = None
+        self._with_shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """(w1, w3, w2, w13) over E + 1 experts, the shared one last (pack_weights, when it has the routed
+        experts' shape): steps whose backend ``folds_shared`` route it as expert E with weight 1.0."""
 
     def pack_weights(self) -> None:
+        """One [E (+1), 2I, H] gate | up tensor and one [E (+1), H, I] down tensor; a shared expert of the routed
+        experts' shape is stored as expert E of both (its own weights become views: no extra memory)."""
         self._gate_fp32 = self.gate.weight.detach().float()  # the router runs in fp32: cast once, not per step
-        ex, i = self.experts, self.experts.w1.shape[1]
-        self.w13 = torch.cat([ex.w1.data, ex.w3.data], dim=1)
-        ex.w1 = nn.Parameter(self.w13[:, :i], requires_grad=False)
-        ex.w3 = nn.Parameter(self.w13[:, i:], requires_grad=False)
+        ex, (e, i, h) = self.experts, self.experts.w1.shape
+        sh = self.shared_experts
+        fold = sh is not None and sh.gate_proj.weight.shape == (i, h) and sh.down_proj.weight.shape == (h, i)
+        n = e + 1 if fold else e
+        w13 = ex.w1.new_empty(n, 2 * i, h)
+        w13[:e, :i], w13[:e, i:] = ex.w1.data, ex.w3.data
+        w2 = ex.w2.data
+        if fold:
+            w2 = ex.w2.new_empty(n, h, i)
+            w2[:e] = ex.w2.data
+            w13[e, :i], w13[e, i:], w2[e] = sh.gate_proj.weight.data, sh.up_proj.weight.data, sh.down_proj.weight.data
+            sh.gate_up = PackedProjection([sh.gate_proj, sh.up_proj], weight=w13[e])
+            sh.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
+            ex.w2 = nn.Parameter(w2[:e], requires_grad=False)
+            self._with_shared = (w13[:, :i], w13[:, i:], w2, w13)
+        self.w13 = w13[:e]
+        ex.w1 = nn.Parameter(w13[:e, :i], requires_grad=False)
+        ex.w3 = nn.Parameter(w13[:e, i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
         logits = router_logits(x, self.gate.weight, self._gate_fp32)  # routing in fp32
+        fold = self._with_shared is not None and be.moe.folds_shared(x.shape[0])
         weights, ids = be.moe.route(
             logits,
             self.gate.e_score_correction_bias,
             self.cfg.num_experts_per_token,
             self.cfg.moe_renormalize,
             self.cfg.routed_scaling_factor,
+            extra_expert=self.experts.w1.shape[0] if fold else None,
         )
+        if fold:  # the shared expert is expert E, weight 1.0: summed with the routed ones in the same launches
+            w1, w3, w2, w13 = self._with_shared
+            return be.moe.experts(x, weights, ids, w1, w3, w2, w13=w13)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         ex = self.experts
         return be.moe.experts(x, weights, ids, ex.w1, ex.w3, ex.w2, w13=self.w13, add=shared)  # routed + shared

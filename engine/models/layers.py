@@ -117,10 +117,16 @@ class PackedProjection(nn.Module):
     each original nn.Linear's weight rebound to a view of it (no extra memory; parameter counts unchanged, the
     packed tensor is not a parameter). Fewer launches per layer: on a GPU decode step the count matters."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], weight: torch.Tensor | None = None) -> None:
+        """weight: a [sum of outputs, in] tensor that already holds the linears' weights stacked (e.g. a slice
+        of a larger packed tensor), else they are concatenated into a new one."""
         super().__init__()
         self.sizes = [lin.weight.shape[0] for lin in linears]
-        self.weight = torch.cat([lin.weight.data for lin in linears], dim=0)
+        if weight is None:
+            weight = torch.cat([lin.weight.data for lin in linears], dim=0)
+        elif weight.shape != (sum(self.sizes), linears[0].weight.shape[1]):
+            raise ValueError(f"weight must be [{sum(self.sizes)}, {linears[0].weight.shape[1]}], got {weight.shape}")
+        self.weight = weight
         for lin, view in zip(linears, self.weight.split(self.sizes, dim=0), strict=True):
             lin.weight = nn.Parameter(view, requires_grad=False)
 
@@ -141,7 +147,8 @@ class GatedMLP(nn.Module):
         self.gate_up: PackedProjection | None = None
 
     def pack_weights(self) -> None:
-        self.gate_up = PackedProjection([self.gate_proj, self.up_proj])
+        if self.gate_up is None:  # a MoE block may have packed its shared expert already (SparseMoE.pack_weights)
+            self.gate_up = PackedProjection([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -241,20 +241,20 @@ class SplitKDA(KDABackend):
         g_raw: torch.Tensor,
         a_log: torch.Tensor,
         dt_bias: torch.Tensor,
-        beta: torch.Tensor,
+        beta_logits: torch.Tensor,
         state_cache: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         inner = self.inner
         if not getattr(inner, "gate_in_chunk", False):  # the gate (row-wise) in the piece, the core as before
             return super().gated_conv_recurrence(
-                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, batch
+                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta_logits, state_cache, batch
             )
         return self._core(
-            lambda b, qkv, g_raw, beta: inner.gated_conv_recurrence(
-                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, beta, state_cache, b
+            lambda b, qkv, g_raw, logits: inner.gated_conv_recurrence(
+                qkv, conv_cache, conv_weight, g_raw, a_log, dt_bias, logits, state_cache, b
             ),
-            (qkv, g_raw, beta),
+            (qkv, g_raw, beta_logits),
         )
 
     def recurrence(

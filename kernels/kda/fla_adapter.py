@@ -139,11 +139,17 @@ def fused_recurrent_kda_slots(
     num_accepted_tokens: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     tile: RecurrentTile | None = None,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    beta_logits: bool = False,
 ) -> torch.Tensor:
     """Token-by-token KDA against a slot pool, in place (decode and speculative verify).
 
     Args:
         q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H].
+        gate: (A_log [H], dt_bias [H*K]): g is the raw gate projection (any float dtype), and the kernel applies
+            the gate (``kernels.kda.naive.kda_gate``, the formula of fla's gate kernel) as it reads g: the gate
+            kernel's launch and its fp32 [T, H, K] round trip are gone from the decode step.
+        beta_logits: beta holds b_proj's logits and the kernel takes their sigmoid (in fp32), one launch less.
         state_pool: [num_slots, H, K, V] fp32, read and written in place.
         ssm_state_indices:
             1-D [N] (decode): sequence n is the single token n (T == N); reads and writes slot idx[n].
@@ -158,6 +164,16 @@ def fused_recurrent_kda_slots(
     """
     _check_qkv(q, k, v, g, beta)
     h, kd, vd = q.shape[1], q.shape[2], v.shape[2]
+    fused_gate = None
+    if gate is not None:
+        a_log, dt_bias = (x.reshape(-1) for x in gate)
+        if a_log.numel() != h or dt_bias.numel() != h * kd:
+            raise ValueError(
+                f"gate must be (A_log [{h}], dt_bias [{h * kd}]), got {tuple(gate[0].shape)}, {tuple(gate[1].shape)}"
+            )
+        fused_gate = (a_log.to(device=q.device).contiguous(), dt_bias.to(device=q.device).contiguous())
+    else:
+        g = g.float()  # the activated log-decay: fp32 in the kernel's layout
     if state_pool.ndim != 4 or state_pool.shape[1:] != (h, kd, vd) or not state_pool.is_contiguous():
         raise ValueError(f"state_pool must be a contiguous [slots, {h}, {kd}, {vd}], got {tuple(state_pool.shape)}")
     idx = ssm_state_indices.to(device=q.device, dtype=torch.int32).contiguous()
@@ -165,19 +181,19 @@ def fused_recurrent_kda_slots(
     if idx.ndim == 1:
         if idx.shape[0] != t or num_accepted_tokens is not None or cu_seqlens is not None:
             raise ValueError("1-D ssm_state_indices means one token per sequence: [T] indices, no cu_seqlens/accepted")
-        q_, k_, v_, g_, b_ = (x.contiguous()[:, None] for x in (q, k, v, g.float(), beta))  # B=N, T=1
+        q_, k_, v_, g_, b_ = (x.contiguous()[:, None] for x in (q, k, v, g, beta))  # B=N, T=1
         cu = None
     elif idx.ndim == 2:
         n, width = idx.shape
         if cu_seqlens is None:
             if t != n * width:
                 raise ValueError(f"without cu_seqlens T must be N*L = {n * width}, got {t}")
-            q_, k_, v_, g_, b_ = (x.contiguous().view(n, width, *x.shape[1:]) for x in (q, k, v, g.float(), beta))
+            q_, k_, v_, g_, b_ = (x.contiguous().view(n, width, *x.shape[1:]) for x in (q, k, v, g, beta))
             cu = None
         else:
             if cu_seqlens.shape != (n + 1,):
                 raise ValueError(f"cu_seqlens must be [{n + 1}], got {tuple(cu_seqlens.shape)}")
-            q_, k_, v_, g_, b_ = _flat(q, k, v, g.float(), beta)
+            q_, k_, v_, g_, b_ = _flat(q, k, v, g, beta)
             cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
         if num_accepted_tokens is not None:
             if num_accepted_tokens.shape != (n,):
@@ -186,7 +202,18 @@ def fused_recurrent_kda_slots(
     else:
         raise ValueError(f"ssm_state_indices must be 1-D or 2-D, got {idx.ndim}-D")
     o = launch_fused_recurrent_kda(
-        q_, k_, v_, g_, b_, state_pool, idx, num_accepted_tokens, cu, tile or tile_for(idx.shape[0])
+        q_,
+        k_,
+        v_,
+        g_,
+        b_,
+        state_pool,
+        idx,
+        num_accepted_tokens,
+        cu,
+        tile or tile_for(idx.shape[0]),
+        gate=fused_gate,
+        beta_sigmoid=beta_logits,
     )
     return o.reshape(t, h, vd)
 

@@ -63,14 +63,21 @@ def launch_fused_recurrent_kda(
     tile: RecurrentTile = DEFAULT_RECURRENT_TILE,
     use_qk_l2norm_in_kernel: bool = True,
     out: torch.Tensor | None = None,
+    gate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    beta_sigmoid: bool = False,
 ) -> torch.Tensor:
     """``fused_recurrent_kda_fwd(..., initial_state=state_pool, inplace_final_state=True, ...)`` with ``tile``.
 
     Inputs in fla's layout (kernels/kda/fla_adapter.py builds them and validates shapes): q, k [B, T, H, K];
     v [B, T, HV, V]; g [B, T, HV, K] fp32 log-decay; beta [B, T, HV] post-sigmoid; B = 1 when ``cu_seqlens``
     [N+1] is given. state_pool [slots, HV, K, V] fp32, updated in place through ``ssm_state_indices``
-    ([N] or [N, L], last dim contiguous). scale = K^-1/2; no in-kernel gate or beta sigmoid.
-    ``out`` (optional, like v) receives the output; else a zeroed one is allocated as fla does.
+    ([N] or [N, L], last dim contiguous). scale = K^-1/2.
+    gate: (A_log [HV] fp32, dt_bias [HV*K]): g is the raw gate projection and the kernel applies the gate
+    (``USE_GATE_IN_KERNEL``: ``-exp(A_log) * softplus(g + dt_bias)``, fla's gate kernel's formula).
+    beta_sigmoid: beta holds the logits and the kernel takes their sigmoid (``APPLY_BETA_SIGMOID``).
+    ``out`` (optional, like v) receives the output; else one is allocated: uninitialised without
+    ``cu_seqlens`` (every program stores its V tile for every token of its sequence: no row is left unwritten,
+    and fla's zero fill would be one more launch a decode layer), zeroed with them (rows past the last offset).
     Returns o [B, T, HV, V] in v's dtype.
     """
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd_kernel
@@ -86,7 +93,7 @@ def launch_fused_recurrent_kda(
     hv, vd = v.shape[2], v.shape[3]
     n = b if cu_seqlens is None else len(cu_seqlens) - 1
     if out is None:
-        out = torch.zeros_like(v)
+        out = torch.empty_like(v) if cu_seqlens is None else torch.zeros_like(v)
     elif out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(v.shape)} {v.dtype}, got {tuple(out.shape)} {out.dtype}")
     stride_seq, stride_tok = (idx.stride(0), 1) if idx.ndim == 1 else idx.stride()
@@ -97,8 +104,8 @@ def launch_fused_recurrent_kda(
         v=v,
         g=g,
         beta=beta,
-        A_log=None,
-        dt_bias=None,
+        A_log=None if gate is None else gate[0],
+        dt_bias=None if gate is None else gate[1],
         o=out,
         h0=state_pool,
         ht=state_pool,
@@ -122,8 +129,8 @@ def launch_fused_recurrent_kda(
         IS_BETA_HEADWISE=beta.ndim == v.ndim,
         USE_QK_L2NORM_IN_KERNEL=use_qk_l2norm_in_kernel,
         INPLACE_FINAL_STATE=True,
-        USE_GATE_IN_KERNEL=False,
-        APPLY_BETA_SIGMOID=False,
+        USE_GATE_IN_KERNEL=gate is not None,
+        APPLY_BETA_SIGMOID=beta_sigmoid,
         ALLOW_NEG_EIGVAL=False,
         STATE_V_FIRST=False,
         num_warps=tile.num_warps,

@@ -27,10 +27,32 @@ MAX_PAIRS = 4096
 
 
 @triton.jit
+def _expert_of_program(ENDS, IDS, POS, COMPACT: tl.constexpr):
+    """(expert, its first sorted row, its end row) of this program's axis-0 index; start -1: nothing to do.
+
+    Not compact: one program per expert, most of them empty at decode sizes (8 of 256 experts at batch 1, yet
+    256 x columns programs launched). Compact: one program per (token, slot) pair, which takes its pair's expert
+    only when it is that expert's first pair in sorted order, so every expert with rows is taken once and the
+    grid is min(T*k, E) wide."""
+    slot = tl.program_id(0)
+    if COMPACT:
+        e = tl.load(IDS + slot).to(tl.int32)
+    else:
+        e = slot
+    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
+    end = tl.load(ENDS + e)
+    if COMPACT:
+        start = tl.where(tl.load(POS + slot) == start, start, -1)
+    return e, start, end
+
+
+@triton.jit
 def _gate_up_kernel(
     X,  # [T, H] activations
     TOKEN,  # [N] int64 token of each sorted row
     ENDS,  # [E] int32 end row of each expert's group
+    IDS,  # [N] int64 expert of each pair (COMPACT)
+    POS,  # [N] int64 sorted row of each pair (COMPACT)
     W13,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (I = INTER)
     A,  # [N, I] out: silu(gate) * up, sorted rows
     H,
@@ -45,10 +67,11 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
-    end = tl.load(ENDS + e)
+    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT)
+    if start < 0:
+        return
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < INTER
     w_gate = W13 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
@@ -77,6 +100,8 @@ def _gate_up_kernel(
 def _down_kernel(
     A,  # [N, I] sorted rows
     ENDS,  # [E] int32
+    IDS,  # [N] int64 (COMPACT)
+    POS,  # [N] int64 (COMPACT)
     W2,  # [E, H, I]
     Y,  # [N, H] out, sorted rows
     H,
@@ -90,10 +115,11 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
-    end = tl.load(ENDS + e)
+    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT)
+    if start < 0:
+        return
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < H
     w = W2 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
@@ -131,10 +157,13 @@ def moe_experts_decode(
     block_n: int | None = None,
     block_k: int = 128,
     num_warps: int = 4,
+    ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; al: the sorted layout of the step's T*k pairs; w13 [E, 2I, H] (gate | up); w2 [E, H, I]
     -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them).
-    block_m / block_n: rows / columns per program (None: ``decode_tiles`` of T)."""
+    block_m / block_n: rows / columns per program (None: ``decode_tiles`` of T).
+    ids: the pairs' experts [T*k] (flat, pair order): with fewer pairs than experts the grid runs over pairs,
+    not experts (``_expert_of_program``), so no program is launched for an expert without rows."""
     check_device("moe_experts_decode", x, al.token, al.offsets, w13, w2)
     e, i2, h = w13.shape
     i = i2 // 2
@@ -155,13 +184,22 @@ def moe_experts_decode(
     dot_f32, prec = dot_config(x.dtype)
     blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
     ends = al.offsets.to(torch.int32)
-    _gate_up_kernel[(e, triton.cdiv(i, block_n))](
-        x, al.token, ends, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1), a.stride(0),
-        **blocks, num_warps=num_warps,
+    compact = ids is not None and n < e
+    if compact:
+        if ids.shape != (n,):
+            raise ValueError(f"ids must be the [{n}] experts of the pairs, got {tuple(ids.shape)}")
+        pairs, pos, grid0 = ids, al.rows_of_pairs(), n
+    else:
+        pairs, pos, grid0 = ends, ends, e  # unused pointers
+    blocks["COMPACT"] = compact
+    _gate_up_kernel[(grid0, triton.cdiv(i, block_n))](
+        x, al.token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
+        a.stride(0), **blocks, num_warps=num_warps,
     )  # fmt: skip
-    _down_kernel[(e, triton.cdiv(h, block_n))](
-        a, ends, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks, num_warps=num_warps
-    )
+    _down_kernel[(grid0, triton.cdiv(h, block_n))](
+        a, ends, pairs, pos, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks,
+        num_warps=num_warps,
+    )  # fmt: skip
     return y
 
 

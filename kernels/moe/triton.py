@@ -24,7 +24,9 @@ def _sigmoid_topk_kernel(
     E,
     stride_l,
     scaling,
+    extra_id,
     TOP_K: tl.constexpr,
+    OUT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -56,8 +58,11 @@ def _sigmoid_topk_kernel(
     if RENORM:
         b_w = b_w / (tl.sum(b_w, 1)[:, None] + 1e-20)
     b_w = b_w * scaling
-    m_o = m_t[:, None] & (o_k < TOP_K)[None, :]
-    o_out = o_t[:, None].to(tl.int64) * TOP_K + o_k[None, :]
+    if OUT_K > TOP_K:  # one more pair a token: (extra_id, 1.0), the shared expert as a routed one
+        b_w = tl.where(o_k[None, :] == TOP_K, 1.0, b_w)
+        b_id = tl.where(o_k[None, :] == TOP_K, extra_id, b_id)
+    m_o = m_t[:, None] & (o_k < OUT_K)[None, :]
+    o_out = o_t[:, None].to(tl.int64) * OUT_K + o_k[None, :]
     tl.store(W_OUT + o_out, b_w, mask=m_o)
     tl.store(ID_OUT + o_out, b_id.to(tl.int64), mask=m_o)
 
@@ -69,11 +74,14 @@ def sigmoid_topk_route_triton(
     renormalize: bool,
     scaling_factor: float,
     block_t: int | None = None,
+    extra_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype; math in fp32) -> (weights [T, k] fp32, expert ids [T, k] int64).
 
     Same result as ``naive.sigmoid_topk_route`` up to the order of the k picks (the reference's topk is
     unsorted; here they come out best first). Ties pick the lower expert id.
+    extra_expert: one more column, (extra_expert, 1.0) for every token (the shared expert folded into the
+    routed experts' kernels): [T, k + 1] written by the same launch.
     """
     check_device("sigmoid_topk_route_triton", router_logits)
     if router_logits.ndim != 2 or router_logits.stride(1) != 1:
@@ -83,8 +91,11 @@ def sigmoid_topk_route_triton(
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
     if correction_bias is not None and correction_bias.shape != (e,):
         raise ValueError(f"correction_bias must be [{e}], got {tuple(correction_bias.shape)}")
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
+    if extra_expert is not None and extra_expert < e:
+        raise ValueError(f"extra_expert must be past the {e} routed experts, got {extra_expert}")
+    out_k = top_k + (extra_expert is not None)
+    weights = torch.empty(t, out_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, out_k, dtype=torch.int64, device=router_logits.device)
     if t == 0:
         return weights, ids
     block_e = next_pow2(e)
@@ -100,12 +111,14 @@ def sigmoid_topk_route_triton(
         e,
         router_logits.stride(0),
         float(scaling_factor),
+        -1 if extra_expert is None else int(extra_expert),
         TOP_K=top_k,
+        OUT_K=out_k,
         HAS_BIAS=correction_bias is not None,
         RENORM=renormalize,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=next_pow2(top_k),
+        BLOCK_K=next_pow2(out_k),
         num_warps=4,
     )
     return weights, ids

@@ -49,6 +49,7 @@ def mla_absorbed(
     num_splits: int | None = None,
     block_n: int | None = None,
     schedules: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA in the weight-absorbed form: attention over the latent itself (one shared "KV head").
 
@@ -56,6 +57,7 @@ def mla_absorbed(
     o_lat = softmax . c_kv ([T, H, R]); out = o_lat . W_UV^T ([T, H, v]). ``meta.group`` must be H.
     schedules: a dict that lives for one step (the backend's ``PerStep``), where FlashMLA decode launches
     keep the split plan the step's MLA layers share (``DecodeSchedule``); None: each launch plans its own.
+    out: a [T, H, v] buffer in q's dtype for the result (``run_mla``'s), else one is allocated.
     """
     h = q.shape[1]
     w_uk, w_uv = absorb_weights(kv_b_weight, h, qk_nope_head_dim, v_head_dim)
@@ -66,8 +68,13 @@ def mla_absorbed(
     else:
         tuning = (decode, num_splits, block_n)
         o_lat = _triton_absorbed(q_nope, q_pe, w_uk, latent_cache, meta, kv_lora_rank, scale, *tuning)
-    # [H, T, R] @ [H, R, v] -> [H, T, v]
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype)).transpose(0, 1)
+    # [H, T, R] @ [H, R, v] -> [H, T, v], written as [T, H, v] (straight into ``out`` when its dtype is o_lat's)
+    direct = out is not None and out.dtype == o_lat.dtype
+    o = out if direct else o_lat.new_empty(o_lat.shape[0], h, v_head_dim)
+    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype), out=o.transpose(0, 1))
+    if out is not None and not direct:
+        return out.copy_(o)
+    return o
 
 
 def _triton_absorbed(
@@ -288,6 +295,7 @@ def run_mla(
     for part in parts:
         sub_q = q if part.rows is None else q[part.rows]
         if part.expanded:
+            sub_q = sub_q.contiguous()  # the absorbed form reads a strided q in place, the expanded kernels not
             latent = latent_cache.view(-1, latent_cache.shape[-1])[part.latent_rows]
             dims = (kv_lora_rank, qk_nope_head_dim, v_head_dim)
             if part.self_lens is not None and cudnn_self_attention_usable(q.dtype, q.device, q.shape[-1], v_head_dim):
@@ -295,6 +303,7 @@ def run_mla(
             else:
                 o = mla_expanded(sub_q, latent, part.meta, kv_b_weight, *dims, scale)
         else:
+            whole = part.rows is None and out.is_contiguous()
             o = mla_absorbed(
                 sub_q,
                 latent_cache,
@@ -307,7 +316,10 @@ def run_mla(
                 num_splits=num_splits,
                 block_n=block_n,
                 schedules=schedules,
+                out=out if whole else None,
             )
+            if whole:
+                continue  # written in place
         if part.rows is None:
             out.copy_(o)
         else:

@@ -21,6 +21,23 @@ def scatter_pages(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torc
     cache.view(-1, *cache.shape[2:])[slot_mapping] = entries.to(cache.dtype)
 
 
+def write_mla_latent(
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    kv_lora_rank: int,
+) -> None:
+    """MLA's cache entry from kv_a_proj's output [T, kv_lora_rank + rope]: ``RMSNorm(c_kv) | k_pe``, written at
+    flat rows slot_mapping [T] (-1: not written). The norm as the GPU norm kernels take it (fla's): normalise
+    in fp32, scale by the weight in fp32, round once."""
+    c_kv, k_pe = kv_a.split([kv_lora_rank, kv_a.shape[-1] - kv_lora_rank], dim=-1)
+    xf = c_kv.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    scatter_pages(cache, slot_mapping, torch.cat([normed.to(cache.dtype), k_pe.to(cache.dtype)], dim=-1))
+
+
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Return the first num_tokens entries of a sequence, in token order: [num_tokens, *entry]."""
     page_size = cache.shape[1]

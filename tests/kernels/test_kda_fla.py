@@ -60,6 +60,31 @@ def test_decode_1d_slots(h, k, v, dtype):
     assert_close("state", ref_pool, pool, ratio)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_with_the_gate_and_beta_sigmoid_in_the_kernel(dtype):
+    """gate=(A_log, dt_bias), beta_logits=True: the kernel applies kda_gate to the raw gate projection and the
+    sigmoid to beta's logits as it reads them; the same o and states as gating first (the naive recurrence)."""
+    n, h, k, v, num_slots = 3, 2, 32, 32, 5
+    gen = torch.Generator().manual_seed(11)
+    q, kk, vv = (torch.randn(n, h, d, generator=gen).to(DEVICE, dtype) for d in (k, k, v))
+    g_raw = torch.randn(n, h * k, generator=gen).to(DEVICE, dtype)
+    a_log = torch.log(torch.empty(h).uniform_(1, 16, generator=gen)).to(DEVICE)
+    dt_bias = (torch.randn(h * k, generator=gen) * 0.5).to(DEVICE)
+    logits = torch.randn(n, h, generator=gen).to(DEVICE, dtype)
+    g = kda_gate(g_raw, a_log, dt_bias, k)
+    beta = torch.sigmoid(logits.float())
+    pool = torch.randn(num_slots, h, k, v, device=DEVICE) * 0.1
+    slots = torch.tensor([3, 0, 4], device=DEVICE)
+    ref_pool = pool.clone()
+    want = fused_recurrent_kda_slots(q, kk, vv, g, beta, ref_pool, slots)
+    raw = g_raw.view(n, h, k)
+    got = fused_recurrent_kda_slots(q, kk, vv, raw, logits, pool, slots, gate=(a_log, dt_bias), beta_logits=True)
+    assert_close("o", want, got, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert_close("state", ref_pool, pool, 1e-5)
+    with pytest.raises(ValueError, match="gate must be"):
+        fused_recurrent_kda_slots(q, kk, vv, raw, logits, pool, slots, gate=(a_log[:1], dt_bias))
+
+
 def _ref_spec(q, kk, vv, g, beta, pool, idx, acc: list[int], cu: list[int]):
     """Spec verify by the naive recurrence: sequence i starts from slot idx[i, acc[i] - 1] and writes the
     state after its token t to idx[i, t]. Returns (o, the pool after)."""

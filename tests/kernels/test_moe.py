@@ -198,9 +198,12 @@ def test_experts_rejects_bad_shapes():
         (29, 16, 4, 96, 48, (16, 32, 64)),  # H and I not multiples of the blocks: masked tails
         (40, 4, 2, 64, 32, (16, 16, 16)),  # groups longer than BLOCK_M: several row chunks per program
         (70, 4, 2, 96, 80, (None, None, 32)),  # the default tiles above 16 tokens (decode_tiles: 32 x 64)
+        (3, 32, 4, 64, 32, (16, 16, 32)),  # fewer pairs (12) than experts: the grid runs over pairs (ids given)
+        (5, 16, 3, 64, 48, (None, None, 32)),  # 15 pairs over 16 experts, some repeated: one program an expert
     ],
 )
-def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype):
+@pytest.mark.parametrize("with_ids", [False, True], ids=["expert_grid", "pair_grid"])
+def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype, with_ids):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
     w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE, dtype)
@@ -209,13 +212,14 @@ def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype):
     ref = naive_moe(x.float(), weights, ids, w13[:, :i].float(), w13[:, i:].float(), w2.float())
     al = moe_align_triton(ids, e)
     bm, bn, bk = blocks
-    y = moe_experts_decode(x, al, w13, w2, block_m=bm, block_n=bn, block_k=bk)
+    flat = ids.reshape(-1) if with_ids else None
+    y = moe_experts_decode(x, al, w13, w2, block_m=bm, block_n=bn, block_k=bk, ids=flat)
     assert y.shape == (t * k, h) and y.dtype == dtype
     out = moe_combine_triton(y, al.rows_of_pairs(), weights, dtype)
     assert_close("decode experts", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
     # each sorted row is its own expert's output: rows of another expert's group differ
     if e > 1 and al.offsets[0] > 0 and al.offsets[-1] > al.offsets[0]:
-        wrong = moe_experts_decode(x, al, w13.flip(0), w2.flip(0))  # experts swapped: another result
+        wrong = moe_experts_decode(x, al, w13.flip(0), w2.flip(0), ids=flat)  # experts swapped: another result
         assert not torch.allclose(wrong.float(), y.float())
 
 

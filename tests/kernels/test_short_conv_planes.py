@@ -245,14 +245,53 @@ def test_gated_conv_recurrence_with_the_gate_in_the_chunk_matches_the_reference(
     x = torch.randn(batch.num_tokens, 3 * h * kd + 8, generator=gen).to(DEVICE)[:, 4:-4]
     g_raw = torch.randn(batch.num_tokens, h * kd, generator=gen).to(DEVICE)
     a_log, dt_bias = (torch.randn(h, generator=gen) * 0.5).to(DEVICE), torch.randn(h * kd, generator=gen).to(DEVICE)
-    beta = torch.rand(batch.num_tokens, h, generator=gen).to(DEVICE)
+    logits = torch.randn(batch.num_tokens, h, generator=gen).to(DEVICE)  # beta's
     gpu = GPUKDABackend(chunk_fn=chunk_fn, planes_min_len=16 if sc["planes"] else None, gate_in_chunk=True)
     conv_ref, rec_ref = conv.clone(), rec.clone()
-    o_ref = TorchKDABackend().gated_conv_recurrence(x, conv_ref, weight, g_raw, a_log, dt_bias, beta, rec_ref, batch)
-    o = gpu.gated_conv_recurrence(x, conv, weight, g_raw, a_log, dt_bias, beta, rec, batch)
+    o_ref = TorchKDABackend().gated_conv_recurrence(x, conv_ref, weight, g_raw, a_log, dt_bias, logits, rec_ref, batch)
+    o = gpu.gated_conv_recurrence(x, conv, weight, g_raw, a_log, dt_bias, logits, rec, batch)
     ratio = 1e-5 if DEVICE.type != "cuda" else 5e-3  # fla's chunk kernels use TF32 dots on the GPU
     assert_close("o", o_ref, o, ratio)
     assert_close("windows", conv_ref, conv, 1e-6)
     assert_close("states", rec_ref, rec, ratio)
     mixed = 1 in sc["q_lens"]
     assert raw and all(raw) != mixed  # prefill-only: the raw gate went in; mixed: gated before the chunk call
+
+
+@pytest.mark.usefixtures("fla_unblocked")
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["gate_in_kernel", "gate_first"])
+@pytest.mark.parametrize("ctx", [[5, 40, 17], [1], [300, 2]], ids=["three", "one_token_prompt", "two"])
+def test_decode_step_with_the_gate_in_the_recurrent_kernel_matches_the_reference(ctx, in_kernel, monkeypatch):
+    """All-decode steps: GPUKDABackend(decode_gate_in_kernel=True) hands fla's recurrent kernel the raw gate and
+    beta's logits (neither the gate kernel nor a sigmoid runs: ``gate`` and torch.sigmoid are made to fail);
+    o, windows and states as TorchKDABackend's. A one-token prompt is a decode row from a zeroed slot."""
+    from engine.backends.gpu import GPUKDABackend
+    from engine.backends.torch_ref import TorchKDABackend
+    from tests.kernels.test_gpu_backend import make_batch
+
+    batch = make_batch([1] * len(ctx), ctx, 16, 64, has_init=[c > 1 for c in ctx])
+    h, kd, w = 2, 16, 4
+    gen = torch.Generator().manual_seed(7)
+    conv = torch.randn(24, 3 * h * kd, w - 1, generator=gen).to(DEVICE)
+    rec = (torch.randn(24, h, kd, kd, generator=gen) * 0.1).to(DEVICE)
+    weight = torch.randn(3 * h * kd, w, generator=gen).to(DEVICE)
+    x = torch.randn(batch.num_tokens, 3 * h * kd + 8, generator=gen).to(DEVICE)[:, 4:-4]
+    g_raw = torch.randn(batch.num_tokens, h * kd, generator=gen).to(DEVICE)
+    a_log, dt_bias = (torch.randn(h, generator=gen) * 0.5).to(DEVICE), torch.randn(h * kd, generator=gen).to(DEVICE)
+    logits = torch.randn(batch.num_tokens, h, generator=gen).to(DEVICE)
+    conv_ref, rec_ref = conv.clone(), rec.clone()
+    o_ref = TorchKDABackend().gated_conv_recurrence(x, conv_ref, weight, g_raw, a_log, dt_bias, logits, rec_ref, batch)
+    gpu = GPUKDABackend(decode_gate_in_kernel=in_kernel)
+    if in_kernel:
+
+        def fail(*a, **k):
+            raise AssertionError("the fused decode path gated / took the sigmoid outside the kernel")
+
+        monkeypatch.setattr(gpu, "gate", fail)
+        monkeypatch.setattr(torch, "sigmoid", fail)
+    o = gpu.gated_conv_recurrence(x, conv, weight, g_raw, a_log, dt_bias, logits, rec, batch)
+    monkeypatch.undo()
+    ratio = 1e-5 if DEVICE.type != "cuda" else 2e-5
+    assert_close("o", o_ref, o, ratio)
+    assert_close("windows", conv_ref, conv, 1e-6)
+    assert_close("states", rec_ref, rec, ratio)
