@@ -35,8 +35,9 @@
 #   bash bench/gpu_session.sh residual-ab    # 1 x H200: the residual sum carried into the next layer's norm
 #                                            # (TANDEM_FUSED_RESIDUAL=0|1, two processes: prefill 8k, decode
 #                                            # b1 / b16 / b64 at 4k / 32k), its tests, then the mla512 agreement
-#   bash bench/gpu_session.sh launch-cuts    # 1 x H200: the decode launch cuts' tests (latent write, KDA gate in the
-#                                            # recurrent kernel, FlashMLA plan), the FlashMLA split-count sweep
+#   bash bench/gpu_session.sh launch-cuts    # 1 x H200: the decode launch cuts' tests (FlashMLA plan, latent write,
+#                                            # shared-expert fold, KDA gate in the recurrent kernel), the FlashMLA
+#                                            # split sweep (bench/flashmla_parts.py), bench/kda_decode_gate.py
 #   bash bench/gpu_session.sh launch-cuts-ab # 1 x H200: decode b1 / b16 / b64 at 4k / 32k + prefill 8k, the tree of
 #                                            # the last commit (carry BASELINE=.baseline: `git archive HEAD`) against
 #                                            # this one, in two processes on one machine
@@ -92,11 +93,14 @@ case "$step" in
       --batches 1 16 64 --profile-batches 1 16 --decode-steps 20 --repeat 2 --out "$OUT/mid_fused_residual_$v.json" "$@"
     done
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 | tee "$OUT/agreement_fused_residual.txt" ;;
-  launch-cuts) python -m pytest -q -p no:cacheprovider tests/kernels/test_latent_write.py tests/kernels/test_flashmla.py \
-      tests/kernels/test_flashmla_plan.py tests/kernels/test_kda_fla.py tests/kernels/test_short_conv_planes.py \
-      tests/kernels/test_norm_fla.py -k "latent or flashmla or plan or gate or decode_1d or norm" 2>&1 \
-      | tee "$OUT/gpu_tests_launch_cuts.txt"
-    python -m bench.flashmla_parts --out "$OUT/flashmla_parts.json" "$@" | tee "$OUT/flashmla_parts.txt" ;;
+  launch-cuts) python -m pytest -q -p no:cacheprovider tests/kernels/test_flashmla_plan.py tests/kernels/test_flashmla.py \
+      tests/kernels/test_latent_write.py tests/kernels/test_moe_shared_fold.py tests/kernels/test_norm_fla.py 2>&1 \
+      | tee "$OUT/gpu_tests_launch_cuts.txt" || true  # the benches below run whatever the tests say
+    python -m pytest -q -p no:cacheprovider tests/kernels/test_moe.py tests/kernels/test_kda_fla.py \
+      tests/kernels/test_short_conv_planes.py -k "decode_experts or gate or decode_1d or decode_step" 2>&1 \
+      | tee -a "$OUT/gpu_tests_launch_cuts.txt" || true
+    python -m bench.flashmla_parts --out "$OUT/flashmla_parts.json" 2>&1 | tee "$OUT/flashmla_parts.txt"
+    python -m bench.kda_decode_gate --out "$OUT/kda_decode_gate.json" 2>&1 | tee "$OUT/kda_decode_gate.txt" ;;
   launch-cuts-ab) base="${BASELINE:-.baseline}"
     test -d "$base" || { echo "no baseline tree at $base (git archive HEAD into it, carry it)" >&2; exit 2; }
     args=(--parts tandem --prefill 8192 --ctx 4096 32768 --batches 1 16 64 --profile-batches 1 16 --decode-steps 20

@@ -141,14 +141,18 @@ def decode_steps(eng: LLMEngine, steps: int, warmup: int = 2) -> tuple[float, li
 
 
 def experts_touched(eng: LLMEngine) -> list[int]:
-    """Distinct experts each MoE layer routes to in one decode step (runs that step)."""
+    """Distinct routed experts each MoE layer routes to in one decode step (runs that step). The shared expert,
+    when the backend folds it in as one more routed expert (``extra_expert``), is not counted: its weights are
+    counted with the dense ones."""
     moe = eng.model.backends.moe
     seen: list[int] = []
     route = moe.route
 
     def counting(*a: Any, **k: Any) -> Any:
         weights, ids = route(*a, **k)
-        seen.append(int(ids.unique().numel()))
+        extra = k.get("extra_expert")
+        routed = ids if extra is None else ids[ids != extra]
+        seen.append(int(routed.unique().numel()))
         return weights, ids
 
     moe.route = counting

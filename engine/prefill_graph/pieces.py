@@ -28,6 +28,7 @@ import torch
 
 from engine.backends import Backends
 from engine.backends.base import AttentionBackend, KDABackend, MLADims
+from engine.backends.norm import TorchNormBackend
 from engine.forward_batch import ForwardBatch
 from engine.prefill_graph.weak import weak_view
 
@@ -163,6 +164,22 @@ class SplitAttention(AttentionBackend):
     def write_kv(self, cache: torch.Tensor, batch: ForwardBatch, entries: torch.Tensor) -> None:
         inner = self.inner
         return self.run.core(lambda b, e: inner.write_kv(cache, b, e), (entries,))
+
+    def write_mla_latent(
+        self,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        kv_a: torch.Tensor,
+        kv_lora_rank: int,
+        norm_weight: torch.Tensor,
+        eps: float,
+        norms: TorchNormBackend,
+    ) -> None:
+        """The inner backend's write as the core (the GPU's one launch), so graphs and eager steps write alike."""
+        inner = self.inner
+        return self.run.core(
+            lambda b, kv: inner.write_mla_latent(cache, b, kv, kv_lora_rank, norm_weight, eps, norms), (kv_a,)
+        )
 
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         inner = self.inner

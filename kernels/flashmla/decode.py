@@ -9,6 +9,9 @@ the kernel vLLM and SGLang run for this exact shape (one latent "KV head", 512 +
 ``TANDEM_MLA_DECODE_IMPL``: ``auto`` (default: FlashMLA for every decode launch it can take — bf16 latent in
 pages of 64 on sm90 — when its extension is built or buildable, else Triton; the choice is logged once),
 ``triton``, or ``flashmla`` (forced: an unusable cache or a failed build raises instead of falling back).
+
+The split plan: Tandem's own (kernels/flashmla/plan.py, ``TANDEM_FLASHMLA_PARTS``), or FlashMLA's planner with
+``TANDEM_FLASHMLA_PARTS=flashmla``.
 """
 
 from __future__ import annotations
@@ -81,13 +84,28 @@ def flashmla_unusable(latent_cache: torch.Tensor, num_heads: int) -> str | None:
     return None
 
 
-class DecodeSchedule:
-    """FlashMLA's split plan for one step's decode launch, shared by the step's MLA layers.
+def _split_plan(
+    ctx_lens: torch.Tensor, num_heads: int, num_parts: int | None, min_blocks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Tandem's split plan for this launch (kernels/flashmla/plan.py), or None where FlashMLA plans itself."""
+    # Imported here, not at the top: the planner is a Triton kernel, and on a CPU test machine it must be defined
+    # under the interpreter, which tests/kernels/conftest.py sets only around its own imports and the tests.
+    from kernels.flashmla import plan
 
-    FlashMLA plans how the sequences are split over the SMs in a one-warp kernel whose serial loop took ~26 us
-    on the H200 (decode b1 / b16 profiles: as long as the attention kernel itself there), and the plan depends
-    only on the lengths, the batch and the head count: the same for every MLA layer of a step. vLLM plans once
-    per step in its metadata builder; here the first layer of a forward pass plans and the others reuse it.
+    grid = plan.flashmla_grid_parts(ctx_lens.device, num_heads)
+    parts = plan.num_parts_for(ctx_lens.shape[0], grid) if num_parts is None else num_parts
+    if parts is None:
+        return None
+    return plan.even_blocks_plan(ctx_lens, parts, grid, plan.min_blocks_setting() if min_blocks is None else min_blocks)
+
+
+class DecodeSchedule:
+    """The split plan for one step's decode launch, shared by the step's MLA layers.
+
+    The plan (Tandem's planner, or FlashMLA's one-warp kernel whose serial loop took ~26 us on the H200: as long
+    as the attention kernel itself at batch 1-16) depends only on the lengths, the batch and the head count: the
+    same for every MLA layer of a step. vLLM plans once per step in its metadata builder; here the first layer of
+    a forward pass plans and the others reuse it.
     ``owner`` is the planning layer: when it runs again over the same batch (a CUDA graph's warm-up passes,
     then its capture) it plans again, so every pass — and every captured graph — holds its own planning kernel.
     """
@@ -114,15 +132,19 @@ def flashmla_decode_fwd(
     out: torch.Tensor | None = None,
     schedule: DecodeSchedule | None = None,
     q: torch.Tensor | None = None,
+    num_parts: int | None = None,
+    min_blocks: int | None = None,
 ) -> torch.Tensor:
     """``softmax((q_lat c^T + q_pe pe^T) scale) c`` for one query per sequence, as ``mla_decode_fwd``.
 
     q_lat [B, H, 512], q_pe [B, H, 64] bf16; latent_cache [num_pages, 64, 576]; block_tables [B, max_pages]
     int32; ctx_lens [B] int32 on the device (read there: no host sync, so a CUDA graph can replay it with new
-    lengths — FlashMLA plans its splits from them in a kernel of its own). Returns o_lat [B, H, 512].
+    lengths — the split plan is computed from them on the device too). Returns o_lat [B, H, 512].
     schedule: the step's shared plan (``DecodeSchedule``; None: plan in this call). q: a contiguous
     [B, H, 576] buffer whose slices q_lat / q_pe already are (written there by their producers; None: concatenated
-    here).
+    here). num_parts: plan over this many parts (None: ``TANDEM_FLASHMLA_PARTS``'s policy; a given count wins
+    over ``flashmla`` there), when this call plans; min_blocks: the fewest key blocks a part takes (None:
+    ``TANDEM_FLASHMLA_MIN_BLOCKS``).
     """
     b, h, r = q_lat.shape
     why = flashmla_unusable(latent_cache, h)
@@ -149,20 +171,22 @@ def flashmla_decode_fwd(
     if b == 0:
         return q_lat.new_empty(0, h, r) if out is None else out
     q = (torch.cat([q_lat, q_pe], dim=-1) if q is None else q).unsqueeze(1)  # [B, 1, H, 576]: FlashMLA's layout
-    plan = schedule.take(latent_cache.data_ptr()) if schedule is not None else None
+    ctx_lens = ctx_lens.contiguous()
+    shared = schedule.take(latent_cache.data_ptr()) if schedule is not None else None
+    plan = shared if shared is not None else _split_plan(ctx_lens, h, num_parts, min_blocks)
     o, _lse, sched_meta, num_splits = load_flashmla().dense_decode_fwd(
         q,
         latent_cache.unsqueeze(2),  # [pages, 64, 1 latent head, 576]
         r,
-        ctx_lens.contiguous(),
+        ctx_lens,
         block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous(),
         float(scale),
         False,
         None if plan is None else plan[0],
         None if plan is None else plan[1],
     )
-    if schedule is not None and plan is None:
-        schedule.plan = (sched_meta, num_splits)
+    if schedule is not None and shared is None:
+        schedule.plan = (sched_meta, num_splits)  # ours, or FlashMLA's when it planned
     o = o.view(b, h, r)
     if out is None:
         return o

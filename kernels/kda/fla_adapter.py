@@ -211,7 +211,7 @@ def fused_recurrent_kda_slots(
         idx,
         num_accepted_tokens,
         cu,
-        tile or tile_for(idx.shape[0]),
+        tile or tile_for(idx.shape[0], gate_in_kernel=fused_gate is not None),
         gate=fused_gate,
         beta_sigmoid=beta_logits,
     )

@@ -43,11 +43,13 @@ DEFAULT_RECURRENT_TILE = RecurrentTile()  # fla-core 0.6.0's own choice
 
 
 @functools.cache  # per launch on the eager decode path: build (and validate) each tile once
-def tile_for(num_seqs: int) -> RecurrentTile:
+def tile_for(num_seqs: int, gate_in_kernel: bool = False) -> RecurrentTile:
     """The tile for a step of ``num_seqs`` sequences, from ``python -m bench.kda_recurrent_sweep`` on an H200
     (32 heads x 128 x 128, docs/PERFORMANCE.md): 2 warps beat fla's 4 at every batch (N=16: 24.2 vs 27.2 us),
-    and 64 columns per program win once the grid is large (N=64: 75.4 vs 83.7 us, 85 % of copy bandwidth)."""
-    return RecurrentTile(bv=64 if num_seqs >= 48 else 32, num_warps=2, num_stages=2)
+    and 64 columns per program win once the grid is large (N=64: 75.4 vs 83.7 us, 85 % of copy bandwidth) —
+    except with the gate applied in the kernel, where 32 columns stay ahead (N=64: 81.0 vs 85.9 us,
+    ``python -m bench.kda_decode_gate``)."""
+    return RecurrentTile(bv=64 if num_seqs >= 48 and not gate_in_kernel else 32, num_warps=2, num_stages=2)
 
 
 def launch_fused_recurrent_kda(

@@ -32,6 +32,33 @@ def test_impl_comes_from_the_environment(monkeypatch):
         mla_decode_impl()
 
 
+def test_parts_policy_comes_from_the_environment(monkeypatch):
+    """TANDEM_FLASHMLA_PARTS: auto (the default: the grid's parts, AUTO_MIN_BLOCKS a part), flashmla (FlashMLA plans: no
+    count), or a forced count (at most the grid's parts); anything else raises, naming the variable."""
+    from kernels.flashmla import plan  # here, not above: its Triton kernel must be defined under the interpreter
+
+    monkeypatch.delenv("TANDEM_FLASHMLA_PARTS", raising=False)
+    assert plan.parts_setting() == "auto" and plan.num_parts_for(1, 132) == 132
+    monkeypatch.setenv("TANDEM_FLASHMLA_PARTS", "flashmla")
+    assert plan.parts_setting() == "flashmla" and plan.num_parts_for(64, 132) is None
+    monkeypatch.setenv("TANDEM_FLASHMLA_PARTS", "12")
+    assert plan.parts_setting() == 12 and plan.num_parts_for(1, 132) == plan.num_parts_for(64, 132) == 12
+    with pytest.raises(ValueError, match="TANDEM_FLASHMLA_PARTS=12"):
+        plan.num_parts_for(1, 8)  # more parts than this GPU's grid
+    for bad in ("0", "-3", "many", "", "1.5", "FlashMLA"):
+        monkeypatch.setenv("TANDEM_FLASHMLA_PARTS", bad)
+        with pytest.raises(ValueError, match="TANDEM_FLASHMLA_PARTS"):
+            plan.parts_setting()
+    monkeypatch.delenv("TANDEM_FLASHMLA_MIN_BLOCKS", raising=False)
+    assert plan.min_blocks_setting() == plan.AUTO_MIN_BLOCKS
+    monkeypatch.setenv("TANDEM_FLASHMLA_MIN_BLOCKS", "4")
+    assert plan.min_blocks_setting() == 4
+    for bad in ("0", "x", ""):
+        monkeypatch.setenv("TANDEM_FLASHMLA_MIN_BLOCKS", bad)
+        with pytest.raises(ValueError, match="TANDEM_FLASHMLA_MIN_BLOCKS"):
+            plan.min_blocks_setting()
+
+
 def test_missing_sources_are_named(tmp_path):
     assert len(missing_sources(tmp_path)) == 5
     with pytest.raises(FileNotFoundError, match=r"fetch_sources\.sh"):

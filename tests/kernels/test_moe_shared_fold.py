@@ -25,7 +25,9 @@ def test_route_writes_the_extra_column_in_the_same_launch():
     w_x, ids_x = sigmoid_topk_route_triton(logits, bias, 4, True, 2.5, extra_expert=16)
     assert ids_x.shape == (5, 5) and torch.equal(ids_x[:, :4], ids)
     assert_close("weights", w, w_x[:, :4], 1e-6)  # a wider tile: the renormalising sum may round differently
-    assert torch.equal(ids_x[:, 4], torch.full((5,), 16, device=DEVICE)) and torch.equal(w_x[:, 4], torch.ones(5))
+    assert torch.equal(ids_x[:, 4], torch.full((5,), 16, device=DEVICE)) and torch.equal(
+        w_x[:, 4], torch.ones(5, device=DEVICE)
+    )
     w_r, ids_r = TorchMoEBackend().route(logits, bias, 4, True, 2.5, extra_expert=16)
     assert torch.equal(ids_r[:, 4], ids_x[:, 4]) and torch.equal(w_r[:, 4], w_x[:, 4])
     with pytest.raises(ValueError, match="extra_expert"):
