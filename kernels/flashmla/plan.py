@@ -40,21 +40,23 @@ PARTS_ENV = "TANDEM_FLASHMLA_PARTS"
 
 
 @functools.cache
-def _parse_parts(value: str) -> int | str:
-    if value in ("auto", "flashmla"):
+def _positive_int_or_word(name: str, value: str, words: tuple[str, ...], what: str) -> int | str:
+    """An environment setting: one of ``words`` or a positive int; anything else raises, naming the variable."""
+    if value in words:
         return value
     try:
-        parts = int(value)
+        n = int(value)
     except ValueError:
-        parts = 0
-    if parts < 1:
-        raise ValueError(f"{PARTS_ENV} must be 'auto', 'flashmla' or a positive number of parts, got {value!r}")
-    return parts
+        n = 0
+    if n < 1:
+        allowed = "".join(f"{w!r} or " for w in words)
+        raise ValueError(f"{name} must be {allowed}a positive number of {what}, got {value!r}")
+    return n
 
 
 def parts_setting() -> int | str:
     """``TANDEM_FLASHMLA_PARTS``: 'auto', 'flashmla', or a forced part count."""
-    return _parse_parts(os.environ.get(PARTS_ENV, "auto"))
+    return _positive_int_or_word(PARTS_ENV, os.environ.get(PARTS_ENV, "auto"), ("auto", "flashmla"), "parts")
 
 
 def num_parts_for(batch: int, grid_parts: int) -> int | None:
@@ -80,13 +82,7 @@ def min_blocks_setting() -> int:
     """``TANDEM_FLASHMLA_MIN_BLOCKS``: the fewest key blocks a part of Tandem's plan takes (default
     ``AUTO_MIN_BLOCKS``)."""
     value = os.environ.get(MIN_BLOCKS_ENV, str(AUTO_MIN_BLOCKS))
-    try:
-        blocks = int(value)
-    except ValueError:
-        blocks = 0
-    if blocks < 1:
-        raise ValueError(f"{MIN_BLOCKS_ENV} must be a positive number of blocks, got {value!r}")
-    return blocks
+    return int(_positive_int_or_word(MIN_BLOCKS_ENV, value, (), "blocks"))
 
 
 @functools.cache

@@ -222,7 +222,6 @@ def test_gated_conv_recurrence_with_the_gate_in_the_chunk_matches_the_reference(
     gate projection (with and without the planes), steps with decode rows gate first; o, windows and states as
     TorchKDABackend's (which gates, then runs the recurrence)."""
     from engine.backends.gpu import GPUKDABackend
-    from engine.backends.torch_ref import TorchKDABackend
     from kernels.kda.naive import naive_chunk_kda_varlen
     from tests.kernels.test_gpu_backend import make_batch
 
@@ -237,23 +236,8 @@ def test_gated_conv_recurrence_with_the_gate_in_the_chunk_matches_the_reference(
         return (inner or chunk_kda_varlen)(*a, **kw)
 
     batch = make_batch(sc["q_lens"], sc["ctx"], 16, 64)
-    h, kd, w = 2, 16, 4
-    gen = torch.Generator().manual_seed(4)
-    conv = torch.randn(24, 3 * h * kd, w - 1, generator=gen).to(DEVICE)
-    rec = (torch.randn(24, h, kd, kd, generator=gen) * 0.1).to(DEVICE)
-    weight = torch.randn(3 * h * kd, w, generator=gen).to(DEVICE)
-    x = torch.randn(batch.num_tokens, 3 * h * kd + 8, generator=gen).to(DEVICE)[:, 4:-4]
-    g_raw = torch.randn(batch.num_tokens, h * kd, generator=gen).to(DEVICE)
-    a_log, dt_bias = (torch.randn(h, generator=gen) * 0.5).to(DEVICE), torch.randn(h * kd, generator=gen).to(DEVICE)
-    logits = torch.randn(batch.num_tokens, h, generator=gen).to(DEVICE)  # beta's
     gpu = GPUKDABackend(chunk_fn=chunk_fn, planes_min_len=16 if sc["planes"] else None, gate_in_chunk=True)
-    conv_ref, rec_ref = conv.clone(), rec.clone()
-    o_ref = TorchKDABackend().gated_conv_recurrence(x, conv_ref, weight, g_raw, a_log, dt_bias, logits, rec_ref, batch)
-    o = gpu.gated_conv_recurrence(x, conv, weight, g_raw, a_log, dt_bias, logits, rec, batch)
-    ratio = 1e-5 if DEVICE.type != "cuda" else 5e-3  # fla's chunk kernels use TF32 dots on the GPU
-    assert_close("o", o_ref, o, ratio)
-    assert_close("windows", conv_ref, conv, 1e-6)
-    assert_close("states", rec_ref, rec, ratio)
+    _gated_matches_reference(gpu, batch, seed=4, ratio=1e-5 if DEVICE.type != "cuda" else 5e-3)  # TF32 on the GPU
     mixed = 1 in sc["q_lens"]
     assert raw and all(raw) != mixed  # prefill-only: the raw gate went in; mixed: gated before the chunk call
 
@@ -266,32 +250,43 @@ def test_decode_step_with_the_gate_in_the_recurrent_kernel_matches_the_reference
     beta's logits (neither the gate kernel nor a sigmoid runs: ``gate`` and torch.sigmoid are made to fail);
     o, windows and states as TorchKDABackend's. A one-token prompt is a decode row from a zeroed slot."""
     from engine.backends.gpu import GPUKDABackend
-    from engine.backends.torch_ref import TorchKDABackend
     from tests.kernels.test_gpu_backend import make_batch
 
     batch = make_batch([1] * len(ctx), ctx, 16, 64, has_init=[c > 1 for c in ctx])
+    gpu = GPUKDABackend(decode_gate_in_kernel=in_kernel)
+    forbid = None
+    if in_kernel:
+
+        def forbid():
+            def fail(*a, **k):
+                raise AssertionError("the fused decode path gated / took the sigmoid outside the kernel")
+
+            monkeypatch.setattr(gpu, "gate", fail)
+            monkeypatch.setattr(torch, "sigmoid", fail)
+
+    _gated_matches_reference(gpu, batch, seed=7, ratio=1e-5 if DEVICE.type != "cuda" else 2e-5, before_gpu=forbid)
+    monkeypatch.undo()
+
+
+def _gated_matches_reference(gpu, batch, seed: int, ratio: float, before_gpu=None) -> None:
+    """``gpu.gated_conv_recurrence`` vs TorchKDABackend's on random inputs (the q|k|v columns a strided view, as
+    the packed projection gives them): o, conv windows and states. before_gpu: called between the two."""
+    from engine.backends.torch_ref import TorchKDABackend
+
     h, kd, w = 2, 16, 4
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     conv = torch.randn(24, 3 * h * kd, w - 1, generator=gen).to(DEVICE)
     rec = (torch.randn(24, h, kd, kd, generator=gen) * 0.1).to(DEVICE)
     weight = torch.randn(3 * h * kd, w, generator=gen).to(DEVICE)
     x = torch.randn(batch.num_tokens, 3 * h * kd + 8, generator=gen).to(DEVICE)[:, 4:-4]
     g_raw = torch.randn(batch.num_tokens, h * kd, generator=gen).to(DEVICE)
     a_log, dt_bias = (torch.randn(h, generator=gen) * 0.5).to(DEVICE), torch.randn(h * kd, generator=gen).to(DEVICE)
-    logits = torch.randn(batch.num_tokens, h, generator=gen).to(DEVICE)
+    logits = torch.randn(batch.num_tokens, h, generator=gen).to(DEVICE)  # beta's
     conv_ref, rec_ref = conv.clone(), rec.clone()
     o_ref = TorchKDABackend().gated_conv_recurrence(x, conv_ref, weight, g_raw, a_log, dt_bias, logits, rec_ref, batch)
-    gpu = GPUKDABackend(decode_gate_in_kernel=in_kernel)
-    if in_kernel:
-
-        def fail(*a, **k):
-            raise AssertionError("the fused decode path gated / took the sigmoid outside the kernel")
-
-        monkeypatch.setattr(gpu, "gate", fail)
-        monkeypatch.setattr(torch, "sigmoid", fail)
+    if before_gpu is not None:
+        before_gpu()
     o = gpu.gated_conv_recurrence(x, conv, weight, g_raw, a_log, dt_bias, logits, rec, batch)
-    monkeypatch.undo()
-    ratio = 1e-5 if DEVICE.type != "cuda" else 2e-5
     assert_close("o", o_ref, o, ratio)
     assert_close("windows", conv_ref, conv, 1e-6)
     assert_close("states", rec_ref, rec, ratio)
