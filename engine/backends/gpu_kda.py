@@ -54,7 +54,7 @@ DECODE_GATE_IN_KERNEL = os.environ.get("TANDEM_KDA_DECODE_GATE_IN_KERNEL", "1").
 """All-decode steps hand fla's recurrent kernel the raw gate projection and beta's logits
 (``USE_GATE_IN_KERNEL``, ``APPLY_BETA_SIGMOID``): the gate kernel, the sigmoid (a view of one row at batch 1: no
 copy left) and the output's zero fill leave the decode step, 2-3 launches a KDA layer. The gate is fla's gate
-kernel's formula, so g is bit for bit the same; beta stays fp32 instead of being rounded to bf16 first.
+kernel's formula (the same fp32 ops); beta stays fp32 instead of being rounded to bf16 first.
 ``TANDEM_KDA_DECODE_GATE_IN_KERNEL=0`` gates and takes the sigmoid first (A/B runs)."""
 
 

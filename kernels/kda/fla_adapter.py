@@ -146,10 +146,6 @@ def fused_recurrent_kda_slots(
 
     Args:
         q, k, g: [T, H, K]; v: [T, H, V]; beta: [T, H].
-        gate: (A_log [H], dt_bias [H*K]): g is the raw gate projection (any float dtype), and the kernel applies
-            the gate (``kernels.kda.naive.kda_gate``, the formula of fla's gate kernel) as it reads g: the gate
-            kernel's launch and its fp32 [T, H, K] round trip are gone from the decode step.
-        beta_logits: beta holds b_proj's logits and the kernel takes their sigmoid (in fp32), one launch less.
         state_pool: [num_slots, H, K, V] fp32, read and written in place.
         ssm_state_indices:
             1-D [N] (decode): sequence n is the single token n (T == N); reads and writes slot idx[n].
@@ -160,6 +156,10 @@ def fused_recurrent_kda_slots(
         num_accepted_tokens: [N] int32, >= 1 (2-D indices only).
         cu_seqlens: [N+1] offsets (2-D indices); zero-length sequences are skipped (padding).
         tile: the kernel's launch tile; None: ``tile_for`` the number of sequences (measured on an H200).
+        gate: (A_log [H], dt_bias [H*K]): g is the raw gate projection (any float dtype), and the kernel applies
+            the gate (``kernels.kda.naive.kda_gate``, the formula of fla's gate kernel) as it reads g: the gate
+            kernel's launch and its fp32 [T, H, K] round trip are gone from the decode step.
+        beta_logits: beta holds b_proj's logits and the kernel takes their sigmoid (in fp32), one launch less.
     Returns: o [T, H, V] in v's dtype.
     """
     _check_qkv(q, k, v, g, beta)

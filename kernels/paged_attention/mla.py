@@ -303,7 +303,6 @@ def run_mla(
             else:
                 o = mla_expanded(sub_q, latent, part.meta, kv_b_weight, *dims, scale)
         else:
-            whole = part.rows is None and out.is_contiguous()
             o = mla_absorbed(
                 sub_q,
                 latent_cache,
@@ -316,12 +315,11 @@ def run_mla(
                 num_splits=num_splits,
                 block_n=block_n,
                 schedules=schedules,
-                out=out if whole else None,
+                out=out if part.rows is None else None,  # the whole batch: written in place
             )
-            if whole:
-                continue  # written in place
         if part.rows is None:
-            out.copy_(o)
+            if o is not out:
+                out.copy_(o)
         else:
             out[part.rows] = o.to(out.dtype)
     return out
