@@ -3,8 +3,9 @@
 A decode step's host work (schedule, fill the static buffers, post-process, build outputs) is as long as
 its GPU work at batch 64 with CUDA graphs; in sequence the GPU idles while the host works. Here, once a
 pure-decode step N is on the stream, step N+1 is put behind it at once, its input ids gathered on the
-device from N's argmax (StaticDecodeBuffers.fill, `carried`). Only then does the host wait for N's ids and
-post-process them, while N+1 runs. Each `LLMEngine.step()` still returns one step's outputs.
+device from N's greedy ids, which N's graph writes itself (StaticDecodeBuffers.fill / prepare, `carried`).
+Only then does the host wait for N's ids and post-process them, while N+1 runs. Each `LLMEngine.step()`
+still returns one step's outputs.
 
 Step N+1 continues step N only when nothing else could change the batch: no request waits for a prefill,
 a request that joined the running set between the steps is ready to decode (a P/D import: its first token is
@@ -34,8 +35,6 @@ class InflightStep:
     """A launched decode step whose sampled ids are still on the device."""
 
     chunks: list[ScheduledChunk]
-    ids: torch.Tensor
-    """[n] int64 argmax per row, on the device (the next step's carried input ids)."""
     host: torch.Tensor
     """[n] int64 host copy of `ids` (pinned on CUDA), valid once `done` has fired."""
     done: torch.cuda.Event | None
@@ -87,18 +86,17 @@ class OverlapDecoder:
         if prev is not None:
             row = {id(c.request): i for i, c in enumerate(prev.chunks)}
             carried = [row.get(id(c.request), -1) for c in chunks]  # -1: joined, its id is on the host
-        logits = self.graphs.run(chunks, carried, prev.ids if prev is not None else None)
-        ids = logits.argmax(dim=-1)  # the first of equal maxima, as the sampler's greedy rows
+        self.graphs.run(chunks, carried)  # its greedy ids come out of the step itself (inside its graph)
         host = self._host[self._next][: len(chunks)]
         self._next ^= 1
-        host.copy_(ids, non_blocking=True)
+        host.copy_(self.graphs.sampled(len(chunks)), non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
         self.counts["launched"] += 1
         self.counts["rows"] += len(chunks)
-        return InflightStep(chunks, ids, host, done)
+        return InflightStep(chunks, host, done)
 
     def _continuation(self, prev: InflightStep) -> list[ScheduledChunk] | None:
         """Step N+1's chunks: one token per request of N that keeps decoding, then one per request that joined

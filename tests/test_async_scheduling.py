@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.decode_graph.graphs import context_bucket
 from engine.sampling_params import SamplingParams
 from tests.conftest import make_engine, random_prompts
 
@@ -45,6 +46,34 @@ def test_overlapped_decode_is_token_identical(model_dir):
     assert counts["continued"] > 15, counts  # steps really were launched behind a step in flight
     # every decode row ran overlapped, and none past a length stop (known before the next launch)
     assert counts["rows"] == sum(m - 1 for m in max_tokens), counts
+    _assert_nothing_held(eng)
+
+
+def test_captures_between_overlapped_steps_keep_the_carried_ids(model_dir):
+    """On CUDA a new (batch size, context bucket) is captured while the previous step is in flight: fill with
+    padding, two warm-up passes, the capture. The next step carries its input ids from the in-flight step's
+    greedy ids, so the warm-ups must not write them. The host does not capture: run the same padding fill and
+    warm-ups (DecodeGraphs._warm_up) at each first sighting, as _capture does, and compare tokens."""
+    prompts = random_prompts(5, [5, 9, 12, 20, 3])  # contexts cross buckets, the batch shrinks: new graphs
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 6, 30, 15, 60)]
+    ref, _ = _run(model_dir, prompts, params, overlap=False)
+    eng = _engine(model_dir, True)
+    graphs = eng.runner.decode_graphs
+    run, seen = graphs.run, set()
+
+    def capturing_run(chunks, carried=None):
+        bs = next(s for s in graphs.batch_sizes if s >= len(chunks))
+        bucket = context_bucket(max(c.start + 1 for c in chunks), graphs.page_size, graphs.max_context)
+        if (bs, bucket) not in seen:
+            seen.add((bs, bucket))
+            host = graphs.buffers.fill([], bs, bucket)  # _padding_batch, with the host lists the CPU backends read
+            graphs._warm_up(graphs.buffers.batch(graphs.buffers.meta(bs, bucket), host))
+        return run(chunks, carried)
+
+    graphs.run = capturing_run
+    got = [(o.output_token_ids, o.finish_reason) for o in eng.generate(prompts, params)]
+    assert len(seen) >= 3 and eng.overlap.counts["continued"] > 15  # captures came between continued steps
+    assert got == ref
     _assert_nothing_held(eng)
 
 

@@ -35,6 +35,26 @@ def test_static_decode_is_token_identical(model_dir, n_prompts):
     assert got == ref
 
 
+def test_each_step_writes_its_greedy_ids(model_dir):
+    """The static step ends with its rows' argmax in the static buffer the overlapped decoder carries from (and
+    copies home): equal to the argmax of the logits it returns, at every step and batch size."""
+    eng = make_engine(model_dir, max_num_seqs=8, cuda_graphs=True)
+    graphs = eng.runner.decode_graphs
+    run, seen = graphs.run, []
+
+    def checked(chunks, carried=None):
+        logits = run(chunks, carried)
+        seen.append((logits.argmax(-1).tolist(), graphs.sampled(len(chunks)).tolist()))
+        return logits
+
+    graphs.run = checked
+    eng.generate(random_prompts(5, [5, 17, 33, 9, 40]), GREEDY)  # padded to 8 rows
+    eng.generate(random_prompts(1, [12], seed=3), GREEDY)
+    assert len(seen) > 40 and {len(w) for w, _ in seen} == {1, 5}
+    for want, got in seen:
+        assert got == want
+
+
 def test_padding_rows_write_only_scratch(model_dir):
     """Every page and slot outside the reserved scratch pair holds what the normal path left there (up to
     fp32 rounding: the padded batch has more GEMM rows); a padding write would leave an O(1) difference."""

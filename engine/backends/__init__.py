@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.backends.base import AttentionBackend, KDABackend, MoEBackend
+from engine.backends.greedy import TorchGreedy, TritonGreedy
 from engine.backends.norm import TorchNormBackend
 from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
 
@@ -21,6 +22,7 @@ class Backends:
     kda: KDABackend
     moe: MoEBackend
     norm: TorchNormBackend = field(default_factory=TorchNormBackend)
+    greedy: TorchGreedy = field(default_factory=TorchGreedy)
 
 
 def select_backends(device: torch.device) -> Backends:
@@ -44,12 +46,13 @@ def select_backends(device: torch.device) -> Backends:
         from engine.backends.gpu import GPUAttentionBackend, GPUKDABackend, GPUMoEBackend
         from kernels.kda.naive import naive_chunk_kda_varlen
 
-        return Backends(GPUAttentionBackend(), GPUKDABackend(chunk_fn=naive_chunk_kda_varlen), GPUMoEBackend())
+        kda = GPUKDABackend(chunk_fn=naive_chunk_kda_varlen)
+        return Backends(GPUAttentionBackend(), kda, GPUMoEBackend(), greedy=TritonGreedy())
     if device.type == "cuda" and choice != "torch":
         from engine.backends.gpu import GPUAttentionBackend, GPUMoEBackend, gpu_kda_backend
         from engine.backends.norm import gpu_norm_backend
 
-        return Backends(GPUAttentionBackend(), gpu_kda_backend(), GPUMoEBackend(), gpu_norm_backend())
+        return Backends(GPUAttentionBackend(), gpu_kda_backend(), GPUMoEBackend(), gpu_norm_backend(), TritonGreedy())
     return Backends(TorchAttentionBackend(), TorchKDABackend(), TorchMoEBackend())
 
 

@@ -78,11 +78,10 @@ class DecodeGraphs:
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(
-        self, chunks: list[ScheduledChunk], carried: list[int] | None = None, sampled: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], carried: list[int] | None = None) -> torch.Tensor:
         """Logits [len(chunks), V] fp32, in chunk order (a view into a static buffer on the graph path:
-        valid until the next step). carried / sampled: input ids still on the device
+        valid until the next step); the rows' greedy ids are in ``sampled(len(chunks))`` once the step has run.
+        carried: per row, the row of the previous step's greedy ids that is its input id, or -1
         (StaticDecodeBuffers.fill)."""
         n = len(chunks)
         bs = next(s for s in self.batch_sizes if s >= n)
@@ -92,21 +91,43 @@ class DecodeGraphs:
             entry = self._graphs.get((bs, bucket)) or self._capture(bs, bucket)
             if entry is not None:
                 graph, logits, _ = entry
-                self.buffers.fill(chunks, bs, bucket, carried, sampled)
+                self.buffers.fill(chunks, bs, bucket, carried)
                 graph.replay()
                 self.counts["graph_steps"] += 1
                 self._copy_checkpoints(chunks)
                 return logits[:n]
-        host = self.buffers.fill(chunks, bs, bucket, carried, sampled)
+        host = self.buffers.fill(chunks, bs, bucket, carried)
         batch = self.buffers.batch(self.buffers.meta(bs, bucket), host)
         logits = self._forward(batch)
         self.counts["eager_static_steps"] += 1
         self._copy_checkpoints(chunks)
         return logits[:n]
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def sampled(self, n: int) -> torch.Tensor:
+        """[n] int64 greedy ids of the last step's rows, on the device (a static view: the next step rewrites it)."""
+        return self.buffers.sampled[:n]
+
+    def _forward(self, batch: ForwardBatch, greedy_out: torch.Tensor | None = None) -> torch.Tensor:
+        """One step, as captured: the inputs' device side, the layers, the logits and their greedy ids (into
+        ``sampled``, or greedy_out)."""
+        bs = batch.decode_meta.batch_size
+        self.buffers.prepare(bs)
         hidden = self.model(batch, self.cache)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        self.model.backends.greedy.argmax_rows(logits, self.buffers.sampled[:bs] if greedy_out is None else greedy_out)
+        return logits
+
+    def _padding_batch(self, bs: int, bucket: int) -> ForwardBatch:
+        self.buffers.fill([], bs, bucket)  # padding only: warm-up and capture touch scratch rows alone
+        return self.buffers.batch(self.buffers.meta(bs, bucket), None)
+
+    def _warm_up(self, batch: ForwardBatch) -> None:
+        """Two padding-only passes before a capture: they build the backends' derived tensors, compile, set up
+        cuBLAS workspaces. Their greedy ids go to scratch: a capture can come between two overlapped steps (a new
+        batch size or context bucket), and the next step carries the in-flight step's ids from ``sampled``."""
+        scratch = torch.empty_like(self.buffers.sampled[: batch.decode_meta.batch_size])
+        for _ in range(2):
+            self._forward(batch, scratch)
 
     def _copy_checkpoints(self, chunks: list[ScheduledChunk]) -> None:
         """Prefix-cache rungs at this step's end: the state after the step, copied from the request's slot
@@ -117,20 +138,18 @@ class DecodeGraphs:
 
     # ---- capture -------------------------------------------------------------------------------
     def _capture(self, bs: int, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch] | None:
-        self.buffers.fill([], bs, bucket)  # padding only: warm-up and capture touch scratch rows alone
-        batch = self.buffers.batch(self.buffers.meta(bs, bucket), None)
+        batch = self._padding_batch(bs, bucket)
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # builds the backends' derived tensors, compiles, sets up cuBLAS workspaces
-                    self._forward(batch)
+                self._warm_up(batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._forward(batch)
+                logits = self._forward(batch)  # recorded, not run: ``sampled`` is written at replay
         except Exception as err:  # any sync / unsupported op: keep serving eagerly
             logger.warning(
                 "decode CUDA graph capture failed at batch %d, context %d (%s); decode runs eagerly", bs, bucket, err

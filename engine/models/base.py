@@ -55,7 +55,9 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """Returns final-normed hidden states [T, hidden]."""
         assert self.backends is not None, "set model.backends before running"
-        h, residual = self.model.embed_tokens(batch.input_ids), None
+        # a row gather by advanced indexing: nn.Embedding's index_select takes a one-block-per-slice CUDA kernel
+        # at decode batches (11 us for 16 rows on the H200, against ~2 us); same rows, any device
+        h, residual = self.model.embed_tokens.weight[batch.input_ids], None
         taps: dict[int, torch.Tensor] = {}
         if -1 in self.aux_layer_ids:
             taps[-1] = h[batch.logits_indices]

@@ -41,6 +41,7 @@ TRITON_MODULES = (
     "kernels.paged_attention.latent_write",
     "kernels.paged_attention.mla_decode",
     "kernels.paged_attention.triton",
+    "kernels.sampling.triton",
     "kernels.short_conv.planes",
     "kernels.short_conv.triton",
     "kernels.short_conv.fla_adapter",

@@ -1,0 +1,27 @@
+"""The greedy ids of a decode step's logits on the device (what the overlapped decoder carries into the next
+step and copies home): torch's argmax as the reference, the two-launch Triton kernel on CUDA
+(kernels/sampling/triton.py: the one-row reduction of torch's argmax is 3-4x slower at decode batches)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling.naive import naive_argmax_rows
+
+
+class TorchGreedy:
+    def argmax_rows(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """[S, V] logits -> ids into out [S] int64: the first of equal maxima (the sampler's greedy rule)."""
+        return naive_argmax_rows(logits, out)
+
+
+class TritonGreedy(TorchGreedy):
+    """kernels/sampling/triton.py on CUDA tensors (and on the host under TRITON_INTERPRET=1)."""
+
+    def argmax_rows(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        from kernels.sampling.triton import argmax_rows
+        from kernels.triton_utils import is_interpreting
+
+        if not logits.is_cuda and not is_interpreting():
+            return super().argmax_rows(logits, out)
+        return argmax_rows(logits, out)
