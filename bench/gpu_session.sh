@@ -41,6 +41,9 @@
 #   bash bench/gpu_session.sh launch-cuts-ab # 1 x H200: decode b1 / b16 / b64 at 4k / 32k + prefill 8k, the tree of
 #                                            # the last commit (carry BASELINE=.baseline: `git archive HEAD`) against
 #                                            # this one, in two processes on one machine
+#   bash bench/gpu_session.sh decode-timeline-ab # 1 x H200: overlapped decode b1 / b16 / b64 at 4k / 32k, graph kernels vs
+#                                            # the ops and gaps between replays (bench/decode_timeline.py), the
+#                                            # last commit's tree (BASELINE=.baseline) against this one
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
 #   bash bench/gpu_session.sh producer       # 1 x H200: prefill with no / inline / encoder-thread handoff producer
 #   bash bench/gpu_session.sh prefill-host   # 1 x H200: an 8k / 32k prefill's host enqueue time and its cProfile
@@ -61,7 +64,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -107,6 +110,12 @@ case "$step" in
       --repeat 2)
     (cd "$base" && PYTHONPATH="/tmp/site:$PWD" python -m bench.gpu_mid "${args[@]}" --out "$OUT/mid_before.json" "$@")
     python -m bench.gpu_mid "${args[@]}" --out "$OUT/mid_after.json" "$@" ;;
+  decode-timeline-ab) base="${BASELINE:-.baseline}"
+    test -d "$base" || { echo "no baseline tree at $base (git archive HEAD into it, carry it)" >&2; exit 2; }
+    args=(--ctx 4096 32768 --batches 1 16 64 --steps 20)
+    (cd "$base" && PYTHONPATH="/tmp/site:$PWD" python -m bench.decode_timeline "${args[@]}" \
+      --out "$OUT/decode_timeline_before.json" "$@")
+    python -m bench.decode_timeline "${args[@]}" --out "$OUT/decode_timeline_after.json" "$@" ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   flashmla) python -m bench.flashmla_check --out "$OUT/flashmla_check.json" | tee "$OUT/flashmla_check.txt"
     for impl in flashmla triton; do

@@ -120,7 +120,7 @@ def stage_backends(device: torch.device, groups: ParallelGroups) -> Backends:
     be = select_backends(device)
     if groups.config.pcp == 1:
         return be
-    return Backends(PCPAttentionBackend(be.attention), PCPKDABackend(be.kda), be.moe, be.norm)
+    return Backends(PCPAttentionBackend(be.attention), PCPKDABackend(be.kda), be.moe, be.norm, be.greedy)
 
 
 # ---- caches -------------------------------------------------------------------------------------------

@@ -291,4 +291,4 @@ class SplitKDA(KDABackend):
 
 
 def split_backends(be: Backends, run: Run, kda_inline: ForwardBatch | None = None) -> Backends:
-    return Backends(SplitAttention(be.attention, run), SplitKDA(be.kda, run, kda_inline), be.moe, be.norm)
+    return Backends(SplitAttention(be.attention, run), SplitKDA(be.kda, run, kda_inline), be.moe, be.norm, be.greedy)
