@@ -81,7 +81,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [S, V] fp32 for the chunks that sample, in chunk order."""
         if self.decode_graphs is not None and self.decode_graphs.accepts(chunks):
-            return self.decode_graphs.run(chunks)
+            return self.decode_graphs.run(chunks).float()
         batch = self.prepare(chunks)
         if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
             hidden = self.prefill_graphs.run(batch)

@@ -10,25 +10,21 @@ import logging
 import os
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from engine.backends.base import KDABackend
 from engine.backends.gpu_static import KDADecodeStep
+from engine.backends.kda_step import KDAStep, q_lens_of
 from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
-from kernels.kda.fla_adapter import KDA_CHUNK, chunk_kda_varlen, chunk_layout, fla_available, fused_recurrent_kda_slots
+from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
 from kernels.short_conv.planes import conv_planes
 from kernels.short_conv.triton import short_conv_update, write_windows
 from kernels.triton_utils import is_interpreting
-from kernels.upload import StaticUploads, Upload, upload
+from kernels.upload import StaticUploads
 
 logger = logging.getLogger(__name__)
-
-
-def _q_lens(batch: ForwardBatch) -> list[int]:
-    return [batch.q_len(i) for i in range(batch.num_seqs)]
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -56,112 +52,6 @@ DECODE_GATE_IN_KERNEL = os.environ.get("TANDEM_KDA_DECODE_GATE_IN_KERNEL", "1").
 copy left) and the output's zero fill leave the decode step, 2-3 launches a KDA layer. The gate is fla's gate
 kernel's formula (the same fp32 ops); beta stays fp32 instead of being rounded to bf16 first.
 ``TANDEM_KDA_DECODE_GATE_IN_KERNEL=0`` gates and takes the sigmoid first (A/B runs)."""
-
-
-class _Round:
-    """One chunk_kda launch: one segment of each of some sequences (segments of a sequence run in order)."""
-
-    def __init__(self) -> None:
-        self.rows: list[range] = []  # token rows of the segments, in order
-        self.slots: list[int] = []
-        self.cu: list[int] = [0]
-        self.copies: list[tuple[str, int, int]] = []  # ("final", seg index, dst) | ("h", chunk index, dst)
-        self.num_chunks = 0  # chunk_kda's chunk count so far (each segment starts a new chunk)
-
-    def add(self, rows: range, slot: int, cks: list[tuple[int, int]]) -> None:
-        """Add a segment; cks are (offset into the segment, dst slot), 0 < offset <= len, offset % 64 == 0
-        unless it is the segment's end."""
-        seg = len(self.slots)
-        for off, dst in cks:
-            if off == len(rows):
-                self.copies.append(("final", seg, dst))
-            else:
-                self.copies.append(("h", self.num_chunks + off // KDA_CHUNK, dst))
-        self.rows.append(rows)
-        self.slots.append(slot)
-        self.cu.append(self.cu[-1] + len(rows))
-        self.num_chunks += -(-len(rows) // KDA_CHUNK)
-
-    @property
-    def needs_h(self) -> bool:
-        return any(kind == "h" for kind, _, _ in self.copies)
-
-    def row_tensor(self) -> torch.Tensor:
-        """The segments' rows as one int64 tensor, built by numpy: ``torch.tensor`` of an 8k-element list took
-        ~0.4 ms of the step's host time before its first kernel."""
-        parts = [np.arange(r.start, r.stop, dtype=np.int64) for r in self.rows]
-        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
-
-
-class _KDAStep:
-    """Slot bookkeeping of one step for the KDA layers (built once, shared by all KDA layers)."""
-
-    def __init__(self, batch: ForwardBatch, device: torch.device, exact_checkpoints: bool, up: Upload = upload) -> None:
-        n = batch.num_seqs
-        q_lens = _q_lens(batch)
-        slots, qsl = batch.state_slots, batch.query_start_loc
-        cks_all = batch.checkpoints if batch.checkpoints else [()] * n
-        ints = slots + qsl + [int(b) for b in batch.has_initial_state]
-        dev = up(torch.tensor(ints, dtype=torch.int32), device)
-        self.slots, self.qsl, self.has_init = dev[:n], dev[n : 2 * n + 1], dev[2 * n + 1 :]
-        self.max_q_len = max(q_lens, default=0)
-        fresh = [s for s, init in zip(slots, batch.has_initial_state, strict=True) if not init]
-        self.fresh = up(torch.tensor(fresh, dtype=torch.int64), device) if fresh else None
-
-        # conv checkpoints: (row start, tokens of the chunk before the rung, slot, has_init, dst)
-        self.conv_cks = [
-            (qsl[i], pos - (batch.context_lens[i] - q_lens[i]), slots[i], batch.has_initial_state[i], dst)
-            for i in range(n)
-            for pos, dst in cks_all[i]
-        ]
-        dec = [i for i in range(n) if q_lens[i] == 1]
-        pre = [i for i in range(n) if q_lens[i] != 1]
-        self.all_decode = not pre
-        self.dec_slots = self.dec_rows = None
-        self.dec_copies = [(slots[i], dst) for i in dec for _, dst in cks_all[i]]  # a one-token chunk's rung is its end
-        if dec:
-            self.dec_slots = up(torch.tensor([slots[i] for i in dec], dtype=torch.int64), device)
-            if pre:
-                self.dec_rows = up(torch.tensor([qsl[i] for i in dec], dtype=torch.int64), device)
-
-        # prefill: cut each chunk into segments at rungs that chunk_kda's intermediate states cannot give
-        # (not a multiple of 64 tokens into the current segment, or every rung when exact_checkpoints);
-        # segment j of every sequence goes into round j.
-        rounds: list[_Round] = []
-        self.pre_copies: list[tuple[int, int]] = []  # (slot, dst): rung at the chunk start (initial state)
-        for i in pre:
-            start = batch.context_lens[i] - q_lens[i]
-            seg_start, seg_cks, segs = 0, [], []
-            for pos, dst in sorted(cks_all[i]):
-                off = pos - start
-                if off == seg_start:
-                    if not segs:
-                        self.pre_copies.append((slots[i], dst))
-                    else:
-                        segs[-1][1].append((segs[-1][0].stop - segs[-1][0].start, dst))
-                    continue
-                if exact_checkpoints or (off - seg_start) % KDA_CHUNK:
-                    segs.append((range(qsl[i] + seg_start, qsl[i] + off), [*seg_cks, (off - seg_start, dst)]))
-                    seg_start, seg_cks = off, []
-                else:
-                    seg_cks.append((off - seg_start, dst))
-            if seg_start < q_lens[i] or not segs:
-                segs.append((range(qsl[i] + seg_start, qsl[i] + q_lens[i]), seg_cks))
-            for j, (rows, cks) in enumerate(segs):
-                if j == len(rounds):
-                    rounds.append(_Round())
-                rounds[j].add(rows, slots[i], cks)
-        self.rounds = [
-            (
-                up(r.row_tensor(), device),
-                up(torch.tensor(r.slots, dtype=torch.int64), device),
-                chunk_layout(r.cu, device, up),  # fla's chunk tables, once per step for every KDA layer
-                r.copies,
-                r.needs_h,
-            )
-            for r in rounds
-        ]
-        self.rows_are_all = len(rounds) == 1 and not dec  # round 0 covers every row in order
 
 
 class GPUKDABackend(KDABackend):
@@ -222,7 +112,7 @@ class GPUKDABackend(KDABackend):
         own kernel), rung checkpoints (copies at host-chosen slots), padding slots."""
         if batch.decode_meta is not None or not batch.num_seqs or min(batch.state_slots) < 0:
             return None
-        q_lens = tuple(_q_lens(batch))
+        q_lens = tuple(q_lens_of(batch))
         if min(q_lens) < 2 or any(batch.checkpoints):
             return None
         return q_lens, tuple(batch.has_initial_state)
@@ -236,17 +126,17 @@ class GPUKDABackend(KDABackend):
             raise ValueError(f"bind_static needs one layout, got {key} / {self.layout_key(batch)}")
         uploads.rewind()
         device = values.input_ids.device
-        self._step.put(batch, "kda", _KDAStep(values, device, self.exact_checkpoints, uploads))
+        self._step.put(batch, "kda", KDAStep(values, device, self.exact_checkpoints, uploads))
         self._step.put(
             batch,
             "conv_fla",
             conv_step(values.state_slots, values.query_start_loc, values.has_initial_state, device, uploads),
         )
 
-    def _meta(self, batch: ForwardBatch, device: torch.device) -> _KDAStep | KDADecodeStep:
+    def _meta(self, batch: ForwardBatch, device: torch.device) -> KDAStep | KDADecodeStep:
         if batch.decode_meta is not None:
             return self._step.get(batch, "kda", lambda: KDADecodeStep(batch.decode_meta))
-        return self._step.get(batch, "kda", lambda: _KDAStep(batch, device, self.exact_checkpoints))
+        return self._step.get(batch, "kda", lambda: KDAStep(batch, device, self.exact_checkpoints))
 
     def short_conv(
         self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch
@@ -285,7 +175,7 @@ class GPUKDABackend(KDABackend):
         return short_conv_update(x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes)
 
     @staticmethod
-    def _conv_checkpoints(x: torch.Tensor, conv_cache: torch.Tensor, w1: int, m: _KDAStep | KDADecodeStep) -> None:
+    def _conv_checkpoints(x: torch.Tensor, conv_cache: torch.Tensor, w1: int, m: KDAStep | KDADecodeStep) -> None:
         """Rung windows, before a kernel updates the windows in place: the window after `off` tokens of a chunk
         is the last W-1 columns of [old window | x[:off]^T]."""
         for row0, off, slot, has_init, dst in getattr(m, "conv_cks", ()):
@@ -360,7 +250,7 @@ class GPUKDABackend(KDABackend):
             g = g_raw.view(t, h, -1)
             return self.recurrence(q, k, v, g, beta_logits, state_cache, batch, gate=gate, beta_logits=True)
         beta = torch.sigmoid(beta_logits)
-        if not self.gate_in_chunk or not isinstance(m, _KDAStep) or m.dec_slots is not None:  # decode rows
+        if not self.gate_in_chunk or not isinstance(m, KDAStep) or m.dec_slots is not None:  # decode rows
             return self.conv_recurrence(
                 qkv,
                 conv_cache,
@@ -376,25 +266,25 @@ class GPUKDABackend(KDABackend):
         q, k, v = (z.reshape(g.shape) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
         return self.recurrence(q, k, v, g, beta, state_cache, batch, gate=gate)
 
-    def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep, head_dim: int) -> bool:
+    def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: KDAStep | KDADecodeStep, head_dim: int) -> bool:
         """Prefill-only steps with a long chunk (decode rows would be normed again by the recurrent kernel)."""
         return (
             self.planes_min_len is not None
             and (x.is_cuda or is_interpreting())
             and x.stride(1) == 1
-            and isinstance(m, _KDAStep)
+            and isinstance(m, KDAStep)
             and m.max_q_len >= self.planes_min_len
             and m.dec_slots is None
             and min(batch.state_slots, default=0) >= 0
             and head_dim & (head_dim - 1) == 0
         )
 
-    def _fla_conv_fits(self, x: torch.Tensor, batch: ForwardBatch, m: _KDAStep | KDADecodeStep) -> bool:
+    def _fla_conv_fits(self, x: torch.Tensor, batch: ForwardBatch, m: KDAStep | KDADecodeStep) -> bool:
         """Long prefill chunks on CUDA (not decode / verify: those stay one graph-safe launch)."""
         return (
             x.is_cuda
             and not self._fla_conv_failed
-            and isinstance(m, _KDAStep)
+            and isinstance(m, KDAStep)
             and m.max_q_len >= FLA_CONV_MIN_LEN
             and min(batch.state_slots, default=0) >= 0
             and fla_available()
@@ -418,7 +308,7 @@ class GPUKDABackend(KDABackend):
         kernel (all-decode steps). ``beta_logits``: beta holds the logits, their sigmoid taken in the recurrent
         kernel (all-decode steps)."""
         m = self._meta(batch, q.device)
-        prefill_only = isinstance(m, _KDAStep) and m.dec_slots is None
+        prefill_only = isinstance(m, KDAStep) and m.dec_slots is None
         if qk_normalized and not prefill_only:
             raise ValueError("qk_normalized is for prefill-only steps: the decode kernel norms q and k itself")
         if (gate is not None and not (prefill_only or m.all_decode)) or (beta_logits and not m.all_decode):

@@ -79,8 +79,9 @@ class DecodeGraphs:
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], carried: list[int] | None = None) -> torch.Tensor:
-        """Logits [len(chunks), V] fp32, in chunk order (a view into a static buffer on the graph path:
-        valid until the next step); the rows' greedy ids are in ``sampled(len(chunks))`` once the step has run.
+        """Logits [len(chunks), V] in the model's dtype (``compute_raw_logits``; callers that sample take
+        ``.float()``), in chunk order (a view into a static buffer on the graph path: valid until the next
+        step); the rows' greedy ids are in ``sampled(len(chunks))`` once the step has run.
         carried: per row, the row of the previous step's greedy ids that is its input id, or -1
         (StaticDecodeBuffers.fill)."""
         n = len(chunks)
@@ -113,7 +114,7 @@ class DecodeGraphs:
         bs = batch.decode_meta.batch_size
         self.buffers.prepare(bs)
         hidden = self.model(batch, self.cache)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_raw_logits(hidden)  # the argmax of bf16 values is the argmax of their fp32
         self.model.backends.greedy.argmax_rows(logits, self.buffers.sampled[:bs] if greedy_out is None else greedy_out)
         return logits
 

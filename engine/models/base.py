@@ -84,7 +84,12 @@ class CausalLM(nn.Module):
                 m.pack_weights()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.compute_raw_logits(hidden).float()
+
+    def compute_raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's output in the model's dtype (bf16 on the GPU): what a device-side argmax reads, with no
+        fp32 copy of the [T, V] logits when nothing else needs them."""
+        return self.lm_head(hidden)
 
 
 def pack_for_device(model: CausalLM, device: torch.device) -> None:
