@@ -44,6 +44,8 @@
 #   bash bench/gpu_session.sh decode-timeline-ab # 1 x H200: overlapped decode b1 / b16 / b64 at 4k / 32k, graph kernels vs
 #                                            # the ops and gaps between replays (bench/decode_timeline.py), the
 #                                            # last commit's tree (BASELINE=.baseline) against this one
+#   bash bench/gpu_session.sh env-ab VAR A B # 1 x H200: bench/decode_timeline.py once per value of an env switch
+#                                            # (e.g. TANDEM_MOE_ROUTER_GEMV 0 1, TANDEM_MLA_DECODE_IMPL auto triton)
 #   bash bench/gpu_session.sh overlap-check  # 1 x H200: overlapped decode vs graph steps across captures, the argmax
 #                                            # kernel, then the mla512 agreement (~5 min: give it the call's rest)
 #   bash bench/gpu_session.sh op-sites       # 1 x H200: the aten ops of a decode step at b1 / b16 by call site
@@ -68,7 +70,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|overlap-check|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -120,8 +122,11 @@ case "$step" in
     (cd "$base" && PYTHONPATH="/tmp/site:$PWD" python -m bench.decode_timeline "${args[@]}" \
       --out "$OUT/decode_timeline_before.json" "$@")
     python -m bench.decode_timeline "${args[@]}" --out "$OUT/decode_timeline_after.json" "$@" ;;
+  env-ab) var="${1:?env-ab VAR VALUE...}"; shift
+    for v in "$@"; do env "$var=$v" python -m bench.decode_timeline --ctx 4096 32768 --batches 1 16 64 --steps 20 \
+      --out "$OUT/decode_timeline_${var}_$v.json" 2>&1 | grep -v -i warn; done ;;
   overlap-check) python -m pytest -q -p no:cacheprovider tests/kernels/test_overlap_gpu.py tests/kernels/test_argmax.py \
-      tests/kernels/test_gpu_static_decode.py 2>&1 | tee "$OUT/gpu_tests_overlap.txt" || true
+      tests/kernels/test_gpu_static_decode.py tests/kernels/test_moe_router.py 2>&1 | tee "$OUT/gpu_tests_overlap.txt" || true
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 2>&1 | grep -v -i warn \
       | tee "$OUT/agreement_overlap.txt" ;;
   op-sites) for b in 1 16; do python -m bench.op_sites --ctx 4096 --batch $b "$@" | tee "$OUT/op_sites_b$b.txt"; done ;;

@@ -146,6 +146,15 @@ class KDABackend(ABC):
 
 
 class MoEBackend(ABC):
+    def router_logits(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The router's fp32 logits x @ weight^T [T, E] (``engine.models.layers.router_logits``), in a form this
+        backend's ``route`` takes: the GPU backend may give split-K partial sums [S, T, E] at decode sizes."""
+        from engine.models.layers import router_logits  # the models import this module
+
+        return router_logits(x, weight, weight_fp32)
+
     @abstractmethod
     def route(
         self,

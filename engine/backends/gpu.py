@@ -26,14 +26,18 @@ from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
+from kernels.moe.router import router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.latent_write import write_mla_latent_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
 from kernels.paged_attention.triton import attention_fwd
+from kernels.triton_utils import is_interpreting
 
 # FlashMLA's split plan made once a step and shared by the MLA layers (kernels/flashmla/decode.DecodeSchedule);
 # TANDEM_FLASHMLA_SHARED_PLAN=0 plans in every layer, for A / B runs
+ROUTER_GEMV_MAX_ROWS = 16
+"""Steps of at most this many rows may take the split-K router (``GPUMoEBackend.router_logits``)."""
 FLASHMLA_SHARED_PLAN = os.environ.get("TANDEM_FLASHMLA_SHARED_PLAN", "1") != "0"
 
 logger = logging.getLogger(__name__)
@@ -164,6 +168,7 @@ class GPUMoEBackend(MoEBackend):
         prefill_kernels: bool | None = None,
         gate_up_tma: bool | None = None,
         down_impl: str | None = None,
+        router_gemv: bool | None = None,
     ) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
@@ -181,6 +186,9 @@ class GPUMoEBackend(MoEBackend):
                 f"MoE down_impl (TANDEM_MOE_DOWN_IMPL) must be auto, grouped_mm, triton or tma, got {self.down_impl!r}"
             )
         self.fold_shared = self.decode_kernels and os.environ.get("TANDEM_MOE_FOLD_SHARED", "1").strip() != "0"
+        if router_gemv is None:
+            router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
+        self.router_gemv = router_gemv
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -196,6 +204,18 @@ class GPUMoEBackend(MoEBackend):
     @staticmethod
     def _grouped_needs_host(x: torch.Tensor) -> bool:
         return x.is_cuda and not grouped_mm_supported(x)
+
+    def router_logits(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """At most ``ROUTER_GEMV_MAX_ROWS`` rows with ``router_gemv`` (``TANDEM_MOE_ROUTER_GEMV=1``): the router as
+        split-K partial sums (kernels/moe/router.py), which ``route`` adds as it loads them; off by default until
+        measured on the H200 against cuBLAS's 5.7 us a layer."""
+        small = 0 < x.shape[0] <= ROUTER_GEMV_MAX_ROWS and x.dtype == weight.dtype
+        on_device = (x.is_cuda or is_interpreting()) and x.stride(-1) == 1 and weight.stride(-1) == 1
+        if self.router_gemv and small and on_device:
+            return router_partials(x, weight)
+        return super().router_logits(x, weight, weight_fp32)
 
     def route(
         self,

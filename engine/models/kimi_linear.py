@@ -22,7 +22,6 @@ from engine.models.layers import (
     PackedProjection,
     PreNormDecoderLayer,
     RMSNorm,
-    router_logits,
 )
 
 
@@ -194,7 +193,7 @@ class SparseMoE(nn.Module):
         ex.w3 = nn.Parameter(w13[:e, i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        logits = router_logits(x, self.gate.weight, self._gate_fp32)  # routing in fp32
+        logits = be.moe.router_logits(x, self.gate.weight, self._gate_fp32)  # routing in fp32
         fold = self._with_shared is not None and be.moe.folds_shared(x.shape[0])
         weights, ids = be.moe.route(
             logits,

@@ -27,6 +27,22 @@ def sigmoid_topk_route(
     return weights * scaling_factor, ids
 
 
+def naive_router_partials(x: torch.Tensor, weight: torch.Tensor, split: int) -> torch.Tensor:
+    """x [T, H] @ weight [E, H]^T in fp32 as [ceil(H / split), T, E] partial sums over consecutive column ranges
+    of ``split`` (kernels/moe/router.py's contract); ``sum_partials`` adds them back in split order."""
+    return torch.stack(
+        [x[:, s : s + split].float() @ weight[:, s : s + split].float().t() for s in range(0, x.shape[1], split)]
+    )
+
+
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """[S, T, E] -> [T, E]: the partial sums added in split order (the route kernel's order)."""
+    out = partials[0].clone()
+    for p in partials[1:]:
+        out += p
+    return out
+
+
 def naive_moe(
     x: torch.Tensor,
     weights: torch.Tensor,

@@ -16,19 +16,21 @@ from kernels.triton_utils import check_device, next_pow2
 
 @triton.jit
 def _sigmoid_topk_kernel(
-    LOGITS,  # [T, E]
+    LOGITS,  # [T, E], or [SPLITS, T, E] partial sums (kernels/moe/router.py), added here in split order
     BIAS,  # [E]
     W_OUT,  # [T, K] fp32
     ID_OUT,  # [T, K] int64
     T,
     E,
     stride_l,
+    stride_s,
     scaling,
     extra_id,
     TOP_K: tl.constexpr,
     OUT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -39,7 +41,11 @@ def _sigmoid_topk_kernel(
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     p_l = LOGITS + o_t[:, None].to(tl.int64) * stride_l + o_e[None, :]
-    b_s = tl.sigmoid(tl.load(p_l, mask=m_t[:, None] & m_e[None, :], other=0.0).to(tl.float32))
+    m_l = m_t[:, None] & m_e[None, :]
+    b_l = tl.load(p_l, mask=m_l, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        b_l += tl.load(p_l + s * stride_s, mask=m_l, other=0.0).to(tl.float32)
+    b_s = tl.sigmoid(b_l)
     if HAS_BIAS:
         b_choice = b_s + tl.load(BIAS + o_e, mask=m_e, other=0.0).to(tl.float32)[None, :]
     else:
@@ -76,7 +82,8 @@ def sigmoid_topk_route_triton(
     block_t: int | None = None,
     extra_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] (any float dtype; math in fp32) -> (weights [T, k] fp32, expert ids [T, k] int64).
+    """router_logits [T, E] (any float dtype; math in fp32), or [S, T, E] fp32 partial sums
+    (kernels/moe/router.py: added in split order) -> (weights [T, k] fp32, expert ids [T, k] int64).
 
     Same result as ``naive.sigmoid_topk_route`` up to the order of the k picks (the reference's topk is
     unsorted; here they come out best first). Ties pick the lower expert id.
@@ -84,9 +91,15 @@ def sigmoid_topk_route_triton(
     routed experts' kernels): [T, k + 1] written by the same launch.
     """
     check_device("sigmoid_topk_route_triton", router_logits)
-    if router_logits.ndim != 2 or router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits must be [T, E] with a unit stride on E, got {tuple(router_logits.shape)}")
-    t, e = router_logits.shape
+    if router_logits.ndim not in (2, 3) or router_logits.stride(-1) != 1:
+        raise ValueError(
+            "router_logits must be [T, E] or [S, T, E] partials with a unit stride on E, "
+            f"got {tuple(router_logits.shape)}"
+        )
+    splits = router_logits.shape[0] if router_logits.ndim == 3 else 1
+    if splits == 0:
+        raise ValueError("router_logits partials need at least one split")
+    t, e = router_logits.shape[-2:]
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
     if correction_bias is not None and correction_bias.shape != (e,):
@@ -109,13 +122,15 @@ def sigmoid_topk_route_triton(
         ids,
         t,
         e,
-        router_logits.stride(0),
+        router_logits.stride(-2),
+        router_logits.stride(0) if splits > 1 else 0,
         float(scaling_factor),
         -1 if extra_expert is None else int(extra_expert),
         TOP_K=top_k,
         OUT_K=out_k,
         HAS_BIAS=correction_bias is not None,
         RENORM=renormalize,
+        SPLITS=splits,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
         BLOCK_K=next_pow2(out_k),

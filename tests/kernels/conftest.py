@@ -34,6 +34,7 @@ TRITON_MODULES = (
     "kernels.moe.decode",
     "kernels.moe.prefill",
     "kernels.moe.prefill_tma",
+    "kernels.moe.router",
     "kernels.moe.tiles",
     "kernels.moe.triton",
     "kernels.page_copy.triton",
