@@ -86,8 +86,8 @@ def report(ctx: int, b: int, s: dict[str, Any]) -> str:
     lines = [
         f"ctx {ctx} batch {b}: {s['span_us']:.1f} us a step = graph kernels {s['graph_kernel_us']:.1f} + gaps inside "
         f"the graph {s['graph_internal_gap_us']:.1f} + ops outside it {s['outside_us']:.1f} + other gaps "
-        f"{s['other_gap_us']:.1f}; unprofiled wall {s.get('wall_us', 0):.1f} us = "
-        f"{100 * s.get('roofline', 0):.1f} % of roofline"
+        f"{s['other_gap_us']:.1f}; unprofiled step {s.get('wall_us', 0):.1f} us (median; mean "
+        f"{s.get('mean_wall_us', 0):.1f}) = {100 * s.get('roofline', 0):.1f} % of roofline"
     ]
     for name, n, t in s["outside_ops"]:
         lines.append(f"    outside: {n:4.1f} x {t:7.2f} us  {name}")
@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         for b in a.batches:
             rids = tandem_bench.fill_decode_batch(eng, ctx, b)
             experts = _experts_touched_eagerly(eng)
-            wall, _ = tandem_bench.decode_steps(eng, a.steps, warmup=4)  # captures, then the timed steps
+            times = tandem_bench.decode_steps_timed(eng, a.steps, warmup=4)  # captures, then the timed steps
+            wall = times.median
             step_bytes = costs.decode_bytes(eng.model_config, eng.model, b, ctx, experts, eng.dtype.itemsize)["total"]
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(a.steps):
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
             s = per_step(classify(events), a.steps)
             s["wall_us"] = wall * 1e6
+            s["mean_wall_us"] = times.mean * 1e6  # bench.gpu_mid's measure (the idle start and the drain spread in)
             s["roofline"] = step_bytes / wall / copy["bytes_per_s"]
             res["rows"].append({"ctx": ctx, "batch": b, **s})
             print(report(ctx, b, s), flush=True)

@@ -215,10 +215,12 @@ def run_graphs(a: argparse.Namespace, eng: LLMEngine, res: dict[str, Any]) -> No
                 eng.overlap = overlap if mode == "async" else None
                 rids = tandem_bench.fill_decode_batch(eng, ctx, b)
                 with tandem_bench.first_logits(eng) as seen:  # the first decode step, from the same state
-                    t, toks[mode] = tandem_bench.decode_steps(eng, a.decode_steps)
+                    times = tandem_bench.decode_steps_timed(eng, a.decode_steps)
+                    toks[mode] = times.tokens
                 if seen:
                     first[mode] = seen[0]
-                row[f"{mode}_ms"] = t * 1e3
+                row[f"{mode}_ms"] = times.mean * 1e3
+                row[f"{mode}_median_ms"] = times.median * 1e3  # steady state: no idle start, no drain
                 if mode == "async" and (b == max(a.batches) or b in (a.profile_batches or ())):
                     row["replay_ms"] = _replay_ms(graphs, eng.device, b)
                 tandem_bench.clear(eng, rids)

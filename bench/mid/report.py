@@ -146,12 +146,14 @@ def render(res: dict[str, Any]) -> str:
                 _f(r["eager_ms"] / r["graph_ms"] if r.get("graph_ms") else None),
                 _f(r["token_agreement"], ".1%"),
                 _f(r.get("async_ms")),
+                _f(r.get("async_median_ms")),
                 _f(r.get("token_agreement_async"), ".1%"),
                 *_first_step(r.get("first_step_logits")),
             ]
             for r in g
         ]
-        head = ["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal", "overlapped ms", "tokens equal"]
+        head = ["ctx", "batch", "eager ms", "graph ms", "speed-up", "tokens equal", "overlapped ms"]
+        head += ["overlapped median ms", "tokens equal"]
         head += ["step-1 max logit diff", "step-1 min top-2 gap", "step-1 argmax equal"]
         parts.append(_table(head, rows))
     for note in res.get("notes", []):

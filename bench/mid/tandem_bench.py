@@ -11,9 +11,11 @@ than a real batch; with distinct tokens the rows route, and then continue, apart
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,18 +128,38 @@ def drain(eng: LLMEngine) -> None:
         eng.step()
 
 
-def decode_steps(eng: LLMEngine, steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
-    """Mean wall seconds of a decode-only step (sampling included), and the tokens each step produced."""
+@dataclass(frozen=True)
+class StepTimes:
+    mean: float
+    """Seconds: wall from a synced, idle GPU to the end of the last step, over the steps (earlier sessions' number:
+    it carries the first launch from the idle GPU, and with overlapped steps the drain of the one in flight)."""
+    median: float
+    """Seconds: the median gap between consecutive ``step()`` returns after the first, one step in steady state
+    (with overlapped steps each return waits for one step's GPU work)."""
+    tokens: list[list[int]]
+
+
+def decode_steps_timed(eng: LLMEngine, steps: int, warmup: int = 2) -> StepTimes:
+    """Decode-only steps (sampling included) after ``warmup`` untimed ones: both step times and each step's tokens."""
     for _ in range(warmup):
         eng.step()
     sync(eng.device)
     tokens = []
-    t0 = time.perf_counter()
+    marks = [time.perf_counter()]
     for _ in range(steps):
         outs = eng.step()
+        marks.append(time.perf_counter())
         tokens.append([o.output_token_ids[-1] for o in outs])
     sync(eng.device)
-    return (time.perf_counter() - t0) / steps, tokens
+    end = time.perf_counter()
+    gaps = [b - a for a, b in itertools.pairwise(marks[1:])]  # from the first return on
+    return StepTimes((end - marks[0]) / steps, statistics.median(gaps) if gaps else (end - marks[0]) / steps, tokens)
+
+
+def decode_steps(eng: LLMEngine, steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
+    """Mean wall seconds of a decode-only step (sampling included), and the tokens each step produced."""
+    t = decode_steps_timed(eng, steps, warmup)
+    return t.mean, t.tokens
 
 
 def experts_touched(eng: LLMEngine) -> list[int]:
