@@ -36,7 +36,7 @@ class InflightStep:
 
     chunks: list[ScheduledChunk]
     host: torch.Tensor
-    """[n] int64 host copy of `ids` (pinned on CUDA), valid once `done` has fired."""
+    """[n] int64 host copy of the step's greedy ids (pinned on CUDA), valid once `done` has fired."""
     done: torch.cuda.Event | None
 
     def wait(self) -> list[int]:
