@@ -43,7 +43,9 @@
 #                                            # this one, in two processes on one machine
 #   bash bench/gpu_session.sh decode-timeline-ab # 1 x H200: overlapped decode b1 / b16 / b64 at 4k / 32k, graph kernels vs
 #                                            # the ops and gaps between replays (bench/decode_timeline.py), the
-#                                            # last commit's tree (BASELINE=.baseline) against this one
+#                                            # last commit's tree (BASELINE=.baseline) against this one; a tree
+#                                            # older than a768806 needs this bench/decode_timeline.py and
+#                                            # bench/mid/tandem_bench.py copied into it
 #   bash bench/gpu_session.sh env-ab VAR A B # 1 x H200: bench/decode_timeline.py once per value of an env switch
 #                                            # (e.g. TANDEM_MOE_ROUTER_GEMV 0 1, TANDEM_MLA_DECODE_IMPL auto triton)
 #   bash bench/gpu_session.sh overlap-check  # 1 x H200: overlapped decode vs graph steps across captures, the argmax
