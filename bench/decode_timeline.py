@@ -24,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.mid import costs, roofline, tandem_bench
 from bench.mid.gaps import merged
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -94,26 +93,6 @@ def report(ctx: int, b: int, s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _engine(a: argparse.Namespace) -> LLMEngine:
-    from bench.mid.checkpoint import MidSpec, write_mid_model
-
-    model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l")
-    write_mid_model(model_dir, MidSpec("kimi_linear", a.layers, False))
-    longest = max(a.ctx)
-    cfg = EngineConfig(
-        model=str(model_dir),
-        device="cuda",
-        dtype="bfloat16",
-        max_num_seqs=max(a.batches),
-        max_num_batched_tokens=longest,
-        max_model_len=longest + 4 * a.steps + 64,
-        kv_cache_memory_bytes=int(a.kv_gib * (1 << 30)),
-        cuda_graphs=True,
-        async_scheduling=True,
-    )
-    return LLMEngine(cfg)
-
-
 def _experts_touched_eagerly(eng: LLMEngine) -> list[int]:
     """tandem_bench.experts_touched on an eager step: its counting reads ids on the host, which a graph capture
     (the first step of a new batch size, decode or piecewise prefill) must not see."""
@@ -141,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.decode_timeline measures CUDA graph replays: it needs a CUDA device")
-    eng = _engine(a)
+    longest = max(a.ctx) + 4 * a.steps  # the prompt, then the warm-up and timed steps (twice: profiled too)
+    eng = tandem_bench.lone_prompt_engine(
+        a.layers, False, [longest], a.kv_gib, max_num_seqs=max(a.batches), cuda_graphs=True, async_scheduling=True
+    )
     if eng.overlap is None:
         raise SystemExit("this engine has no overlapped decode (cuda_graphs + async_scheduling)")
     copy = roofline.copy_bandwidth(eng.device)

@@ -22,7 +22,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.mid import tandem_bench
-from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
 _VIEWS = {
@@ -97,22 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--frames", type=int, default=3)
     a = p.parse_args(argv)
-    from bench.mid.checkpoint import MidSpec, write_mid_model
-
-    cuda = torch.cuda.is_available()
-    model_dir = Path(f"/tmp/tandem-mid-kimi-{a.layers}l{'-tiny' if a.tiny else ''}")
-    write_mid_model(model_dir, MidSpec("kimi_linear", a.layers, a.tiny))
-    cfg = EngineConfig(
-        model=str(model_dir),
-        device="cuda" if cuda else "cpu",
-        dtype="bfloat16" if cuda else "float32",
-        max_num_seqs=max(a.batch, 2),
-        max_num_batched_tokens=a.ctx,
-        max_model_len=a.ctx + 64,
-        kv_cache_memory_bytes=(16 << 30) if cuda else (256 << 20),
-        cuda_graphs=True,
+    eng = tandem_bench.lone_prompt_engine(
+        a.layers, a.tiny, [a.ctx], 16.0, max_num_seqs=max(a.batch, 2), cuda_graphs=True
     )
-    eng = LLMEngine(cfg)
     rids = tandem_bench.fill_decode_batch(eng, a.ctx, a.batch)
     eng.step()  # the batch's first decode step (captures on CUDA); the next one is recorded
     print(report(static_step_sites(eng, a.frames)))

@@ -33,23 +33,22 @@ def sync(device: torch.device) -> None:
 
 def lone_prompt_engine(layers: int, tiny: bool, lengths: list[int], kv_gib: float, **kw: Any) -> LLMEngine:
     """An engine on the mid checkpoint (written if absent) sized for one prompt of up to max(lengths) tokens:
-    bf16 on CUDA, fp32 on the host; ``kw`` goes to EngineConfig (page_size, cuda_graphs, ...)."""
+    bf16 on CUDA, fp32 on the host; ``kw`` goes to EngineConfig (page_size, cuda_graphs, max_num_seqs, ...)."""
     from bench.mid.checkpoint import MidSpec, write_mid_model
 
     cuda = torch.cuda.is_available()
     model_dir = Path(f"/tmp/tandem-mid-kimi-{layers}l{'-tiny' if tiny else ''}")
     write_mid_model(model_dir, MidSpec("kimi_linear", layers, tiny))
-    cfg = EngineConfig(
-        model=str(model_dir),
-        device="cuda" if cuda else "cpu",
-        dtype="bfloat16" if cuda else "float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=max(lengths),
-        max_model_len=max(lengths) + 64,
-        kv_cache_memory_bytes=int(kv_gib * (1 << 30)) if cuda else (256 << 20),
-        **kw,
-    )
-    return LLMEngine(cfg)
+    cfg: dict[str, Any] = {
+        "model": str(model_dir),
+        "device": "cuda" if cuda else "cpu",
+        "dtype": "bfloat16" if cuda else "float32",
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": max(lengths),
+        "max_model_len": max(lengths) + 64,
+        "kv_cache_memory_bytes": int(kv_gib * (1 << 30)) if cuda else (256 << 20),
+    }
+    return LLMEngine(EngineConfig(**{**cfg, **kw}))
 
 
 def prompt(length: int, vocab: int, seed: int) -> list[int]:
