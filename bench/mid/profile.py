@@ -29,6 +29,7 @@ _METHODS = {
     "attention": ("write_kv", "gqa", "mla"),
     "KDA": ("short_conv", "short_conv_qkv", "gated_conv_recurrence", "conv_recurrence", "recurrence"),
     "MoE": ("router_logits", "route", "experts"),
+    "GEMM": ("linear",),
 }
 
 
@@ -44,7 +45,7 @@ def _wrap(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
 def labelled_ops(model: nn.Module) -> Iterator[None]:
     be = model.backends
     patched = []
-    for group, obj in (("attention", be.attention), ("KDA", be.kda), ("MoE", be.moe)):
+    for group, obj in (("attention", be.attention), ("KDA", be.kda), ("MoE", be.moe), ("GEMM", be.dense)):
         for name in _METHODS[group]:
             setattr(obj, name, _wrap(getattr(obj, name), PREFIX + group))
             patched.append((obj, name))

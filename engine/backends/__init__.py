@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.backends.base import AttentionBackend, KDABackend, MoEBackend
+from engine.backends.dense import TorchDense, TritonDense, gpu_dense_backend
 from engine.backends.greedy import TorchGreedy, TritonGreedy
 from engine.backends.norm import TorchNormBackend
 from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
@@ -23,6 +24,7 @@ class Backends:
     moe: MoEBackend
     norm: TorchNormBackend = field(default_factory=TorchNormBackend)
     greedy: TorchGreedy = field(default_factory=TorchGreedy)
+    dense: TorchDense = field(default_factory=TorchDense)
 
 
 def select_backends(device: torch.device) -> Backends:
@@ -47,12 +49,19 @@ def select_backends(device: torch.device) -> Backends:
         from kernels.kda.naive import naive_chunk_kda_varlen
 
         kda = GPUKDABackend(chunk_fn=naive_chunk_kda_varlen)
-        return Backends(GPUAttentionBackend(), kda, GPUMoEBackend(), greedy=TritonGreedy())
+        return Backends(GPUAttentionBackend(), kda, GPUMoEBackend(), greedy=TritonGreedy(), dense=TritonDense())
     if device.type == "cuda" and choice != "torch":
         from engine.backends.gpu import GPUAttentionBackend, GPUMoEBackend, gpu_kda_backend
         from engine.backends.norm import gpu_norm_backend
 
-        return Backends(GPUAttentionBackend(), gpu_kda_backend(), GPUMoEBackend(), gpu_norm_backend(), TritonGreedy())
+        return Backends(
+            GPUAttentionBackend(),
+            gpu_kda_backend(),
+            GPUMoEBackend(),
+            gpu_norm_backend(),
+            TritonGreedy(),
+            gpu_dense_backend(),
+        )
     return Backends(TorchAttentionBackend(), TorchKDABackend(), TorchMoEBackend())
 
 

@@ -22,6 +22,7 @@ from engine.models.layers import (
     PackedProjection,
     PreNormDecoderLayer,
     RMSNorm,
+    project,
 )
 
 
@@ -81,7 +82,7 @@ class KimiDeltaAttention(nn.Module):
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
-            qkv, fg_a, b = self.in_proj(x).split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
+            qkv, fg_a, b = self.in_proj(x, be).split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
             # [2, T, K] (a strided view: cuBLAS reads it in place) @ [2, K, P] -> g_raw | the output gate
             g_raw, out_gate = torch.bmm(fg_a.view(t, 2, hd).transpose(0, 1), self.fg_b.transpose(1, 2))
         else:
@@ -95,7 +96,7 @@ class KimiDeltaAttention(nn.Module):
             qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, b, state, batch
         )
         o = o.to(x.dtype)
-        return self.o_proj(self.o_norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd))
+        return project(self.o_norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd), self.o_proj.weight, be)
 
 
 PACKED_QKV_A_MAX_ROWS = 256
@@ -137,7 +138,7 @@ class KimiMLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t = x.shape[0]
         if self.q_kv_a is not None and t <= PACKED_QKV_A_MAX_ROWS:
-            q, kv_a = self.q_kv_a(x).split(self.q_kv_a.sizes, dim=-1)  # column views of one GEMM's output
+            q, kv_a = self.q_kv_a(x, be).split(self.q_kv_a.sizes, dim=-1)  # column views of one GEMM's output
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         kv_pages = cache.kv[self.layer_idx]
@@ -146,7 +147,7 @@ class KimiMLAAttention(nn.Module):
         o = be.attention.mla(
             q.view(t, self.num_heads, -1), kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale
         )
-        return self.o_proj(o.reshape(t, -1))
+        return project(o.reshape(t, -1), self.o_proj.weight, be)
 
 
 class SparseMoE(nn.Module):
@@ -206,7 +207,7 @@ class SparseMoE(nn.Module):
         if fold:  # the shared expert is expert E, weight 1.0: summed with the routed ones in the same launches
             w1, w3, w2, w13 = self._with_shared
             return be.moe.experts(x, weights, ids, w1, w3, w2, w13=w13)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        shared = self.shared_experts(x, be) if self.shared_experts is not None else None
         ex = self.experts
         return be.moe.experts(x, weights, ids, ex.w1, ex.w3, ex.w2, w13=self.w13, add=shared)  # routed + shared
 
@@ -225,7 +226,7 @@ class KimiDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        return self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x)
+        return self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x, be)
 
 
 class KimiLinearForCausalLM(CausalLM):

@@ -112,6 +112,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tens
     return F.linear(x.float(), weight_fp32 if weight_fp32 is not None else weight.float())
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, be: Backends | None) -> torch.Tensor:
+    """x @ weight^T for an ``nn.Linear`` weight without bias, through the step's dense backend when given (the
+    skinny GEMM of decode-sized steps on CUDA), else ``F.linear``."""
+    return be.dense.linear(x, weight) if be is not None else F.linear(x, weight)
+
+
 class PackedProjection(nn.Module):
     """Several projections of one input as one GEMM: their weights stacked on the output dim in one tensor,
     each original nn.Linear's weight rebound to a view of it (no extra memory; parameter counts unchanged, the
@@ -130,9 +136,9 @@ class PackedProjection(nn.Module):
         for lin, view in zip(linears, self.weight.split(self.sizes, dim=0), strict=True):
             lin.weight = nn.Parameter(view, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
         """[T, sum(sizes)]: the projections' outputs side by side, in the order given."""
-        return F.linear(x, self.weight)
+        return project(x, self.weight, be)
 
 
 class GatedMLP(nn.Module):
@@ -150,10 +156,10 @@ class GatedMLP(nn.Module):
         if self.gate_up is None:  # a MoE block may have packed its shared expert already (SparseMoE.pack_weights)
             self.gate_up = PackedProjection([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).split(self.gate_up.sizes, dim=-1)
-            return self.down_proj(silu_mul(gate, up))
+            gate, up = self.gate_up(x, be).split(self.gate_up.sizes, dim=-1)
+            return project(silu_mul(gate, up), self.down_proj.weight, be)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -10,7 +10,14 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.base import CausalLM
-from engine.models.layers import GatedMLP, PackedProjection, PreNormDecoderLayer, RMSNorm, RotaryEmbedding
+from engine.models.layers import (
+    GatedMLP,
+    PackedProjection,
+    PreNormDecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    project,
+)
 
 
 class Qwen3Attention(nn.Module):
@@ -38,7 +45,7 @@ class Qwen3Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+            q, k, v = self.qkv(x, be).split(self.qkv.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim), be)
@@ -48,7 +55,7 @@ class Qwen3Attention(nn.Module):
         kv_pages = cache.kv[self.layer_idx]
         be.attention.write_kv(kv_pages, batch, torch.stack([k, v], dim=1))
         o = be.attention.gqa(q, kv_pages, batch, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return project(o.reshape(t, -1), self.o_proj.weight, be)
 
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):
@@ -60,7 +67,7 @@ class Qwen3DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        return self.mlp(x)
+        return self.mlp(x, be)
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -7,6 +7,7 @@ allocated and the rank's slice of every checkpoint tensor loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ def stage_backends(device: torch.device, groups: ParallelGroups) -> Backends:
     be = select_backends(device)
     if groups.config.pcp == 1:
         return be
-    return Backends(PCPAttentionBackend(be.attention), PCPKDABackend(be.kda), be.moe, be.norm, be.greedy)
+    return dataclasses.replace(be, attention=PCPAttentionBackend(be.attention), kda=PCPKDABackend(be.kda))
 
 
 # ---- caches -------------------------------------------------------------------------------------------

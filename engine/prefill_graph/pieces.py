@@ -19,6 +19,7 @@ between pieces too, with the real batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -291,4 +292,4 @@ class SplitKDA(KDABackend):
 
 
 def split_backends(be: Backends, run: Run, kda_inline: ForwardBatch | None = None) -> Backends:
-    return Backends(SplitAttention(be.attention, run), SplitKDA(be.kda, run, kda_inline), be.moe, be.norm, be.greedy)
+    return dataclasses.replace(be, attention=SplitAttention(be.attention, run), kda=SplitKDA(be.kda, run, kda_inline))

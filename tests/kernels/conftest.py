@@ -39,6 +39,7 @@ TRITON_MODULES = (
     "kernels.moe.triton",
     "kernels.page_copy.triton",
     "kernels.flashmla.plan",
+    "kernels.gemv.triton",
     "kernels.paged_attention.latent_write",
     "kernels.paged_attention.mla_decode",
     "kernels.paged_attention.triton",

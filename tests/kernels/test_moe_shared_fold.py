@@ -72,7 +72,7 @@ def test_folded_shared_expert_is_the_same_function(tokens, monkeypatch):
     assert gpu.folds_shared(tokens) == folds
     shared_runs = []
     real = type(sh).forward
-    monkeypatch.setattr(type(sh), "forward", lambda self, x: shared_runs.append(1) or real(self, x))
+    monkeypatch.setattr(type(sh), "forward", lambda self, x, be=None: shared_runs.append(1) or real(self, x, be))
     got = moe(x, be)
     assert bool(shared_runs) != folds  # folded: the separate MLP did not run
     assert_close("moe", want, got, 1e-5)

@@ -1,0 +1,54 @@
+"""The dense projections of the models (``nn.Linear`` weights, no bias): ``F.linear`` as the reference; on CUDA the
+skinny GEMM of kernels/gemv for decode-sized steps, where cuBLAS's tiles leave a fifth to half of the copy
+bandwidth unused (kernels/gemv/triton.py's docstring; ``bench/gemv_sweep.py``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchDense:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ weight [N, K]^T."""
+        return F.linear(x, weight)
+
+
+DENSE_GEMV_MAX_ROWS = 1
+"""Rows up to which the projections take the skinny GEMM. ``bench/gemv_sweep.py`` on the H200: at one row it beat
+cuBLAS at every mid-model shape (7-27 %: the 19 MB o_proj 7.3 us against 10.0); at 4 and 16 rows it won the
+input projections by ~7 % and lost the 42 MB down projection (19.2 against 15.8 us), so those stay on cuBLAS."""
+
+
+class TritonDense(TorchDense):
+    """kernels/gemv for 2-D x of 1..``max_rows`` rows on CUDA (and on the host under TRITON_INTERPRET=1);
+    everything else, longer steps included, through ``F.linear``."""
+
+    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS) -> None:
+        from kernels.gemv.triton import GEMV_MAX_ROWS
+
+        self.max_rows = max_rows
+        if not 0 <= self.max_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"max_rows must be in 0..{GEMV_MAX_ROWS}, got {self.max_rows}")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        from kernels.gemv.triton import gemv
+        from kernels.triton_utils import is_interpreting
+
+        fits = x.ndim == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == weight.dtype
+        if fits and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or is_interpreting()):
+            return gemv(x, weight)
+        return F.linear(x, weight)
+
+
+def gpu_dense_backend() -> TorchDense:
+    """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM at decode sizes, ``0`` cuBLAS for every projection."""
+    choice = os.environ.get("TANDEM_GEMV", "1").strip()
+    if choice not in ("0", "1"):
+        raise ValueError(f"TANDEM_GEMV must be 0 or 1, got {choice!r}")
+    return TritonDense() if choice == "1" else TorchDense()
+
+
+__all__ = ["DENSE_GEMV_MAX_ROWS", "TorchDense", "TritonDense", "gpu_dense_backend"]

@@ -1,0 +1,161 @@
+"""Skinny GEMM for decode-sized steps: y [M <= 16, N] = x [M, K] @ W [N, K]^T. Contract: kernels/gemv/naive.py.
+
+At batch 1 a decode step's dense projections are GEMVs: each reads its whole weight (19-85 MB on the Kimi mid
+shape) for a few KB of activations, so the time is the weight's bytes over the copy bandwidth. cuBLAS reached
+~80 % of it on the 58 MB KDA input projection and ~47 % on the 19 MB output projections, which it splits over K
+with a second reduce launch (9.3 us for 4.4 us of bytes). Here one launch streams the weight once: a program
+owns ``block_n`` consecutive weight rows and walks K in ``block_k`` columns, unmasked where the shape allows, so
+the loads are wide and pipelined. One row of x: fp32 products accumulated elementwise and reduced once at the
+end (CUDA cores, no padding); 2-16 rows: ``tl.dot`` on a 16-row tile (tensor cores, fp32 accumulate). The sum
+order is fixed by the tile, so the output is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_utils import check_device, dot_config, mm, next_pow2
+
+GEMV_MAX_ROWS = 16
+"""The most rows of x a launch takes (one 16-row dot tile); longer steps are GEMMs: leave them to cuBLAS."""
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+ONE_ROW_TILES = {  # (N, K) -> the fastest tile of ``bench/gemv_sweep.py`` on the H200 (Kimi-Linear's real shapes)
+    (12576, 2304): GemvTile(32, 256, 4, 3),  # KDA q|k|v|f_a|g_a|b: 16.1 us, cuBLAS 18.8
+    (2304, 4096): GemvTile(8, 1024, 8, 3),  # o_proj (KDA, MLA): 7.3 us, cuBLAS 10.0 (split-K + reduce)
+    (6720, 2304): GemvTile(8, 512, 4, 3),  # MLA q|kv_a: 10.4 us, cuBLAS 11.1
+    (18432, 2304): GemvTile(8, 256, 4, 3),  # dense MLP gate|up: 22.4 us, cuBLAS 23.9
+    (2304, 9216): GemvTile(8, 1024, 8, 3),  # dense MLP down: 12.6 us, cuBLAS 15.6
+}
+
+
+def gemv_tile(m: int, n: int, k: int) -> GemvTile:
+    """The launch tile for [m, k] x [n, k]^T: one row by the sweep's table, else long rows of W (K >= 4096) in wide
+    steps over few weight rows a program (more programs, each with more bytes in flight), short ones in 256-column
+    steps (both within 2-5 % of the best tile at every swept shape); 2-16 rows: one 16-row dot tile."""
+    if m == 1:
+        if (n, k) in ONE_ROW_TILES:
+            return ONE_ROW_TILES[(n, k)]
+        return GemvTile(8, 1024, 8, 3) if k >= 4096 else GemvTile(16, 256, 4, 3)
+    return GemvTile(block_n=32, block_k=128, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _gemv_kernel(
+    X,  # [M, K]
+    W,  # [N, K]
+    Y,  # [M, N]
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_y,
+    ONE_ROW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    # rows past N read row N - 1 (their results are not stored), so the weight loads need no row mask
+    w_rows = W + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_w
+    if ONE_ROW:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(X + o_k)
+                w = tl.load(w_rows + o_k[None, :])
+            else:
+                x = tl.load(X + o_k, mask=o_k < K, other=0.0)
+                w = tl.load(w_rows + o_k[None, :], mask=o_k[None, :] < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        tl.store(Y + o_n, y.to(Y.dtype.element_ty), mask=m_n)
+    else:
+        o_m = tl.arange(0, BLOCK_M)
+        m_m = o_m < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(X + o_m[:, None] * stride_x + o_k[None, :], mask=m_m[:, None], other=0.0)
+                w = tl.load(w_rows + o_k[None, :])
+            else:
+                m_k = o_k < K
+                x = tl.load(X + o_m[:, None] * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+                w = tl.load(w_rows + o_k[None, :], mask=m_k[None, :], other=0.0)
+            acc += mm(x, tl.trans(w), DOT_F32, PREC)
+        y = Y + o_m[:, None] * stride_y + o_n[None, :]
+        tl.store(y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, tile: GemvTile | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (fp32 sums), 1 <= M <= ``GEMV_MAX_ROWS``. x may be a row-
+    strided view; both need a unit stride on K. Written into ``out`` ([M, N], unit column stride) when given."""
+    check_device("gemv", x, weight)
+    if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight need a unit stride on K")
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows of x (a decode-sized step), got {m}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or (m and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} on {x.device} with a unit column stride")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    tile = tile or gemv_tile(m, n, k)
+    if m > 1 and tile.block_n < 16:
+        raise ValueError(f"rows > 1 run tl.dot: block_n must be >= 16, got {tile.block_n}")
+    block_k = min(tile.block_k, max(16, next_pow2(k)))
+    dot_f32, prec = dot_config(x.dtype)
+    _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        ONE_ROW=m == 1,
+        BLOCK_M=16,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        DOT_F32=dot_f32,
+        PREC=prec,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return out
+
+
+__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_tile"]
