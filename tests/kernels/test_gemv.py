@@ -32,7 +32,9 @@ _TILES = [GemvTile(16, 32), GemvTile(32, 128, num_warps=8), GemvTile(64, 16, num
 @pytest.mark.parametrize(
     ("tile", "m"),
     # dot tiles (m > 1) need block_n >= 16; the one-row table's tiles on a small shape (K off their block_k)
-    [(GemvTile(8, 64), 1)] + [(t, m) for t in _TILES for m in (1, 3)] + [(t, 1) for t in dict.fromkeys(ONE_ROW_TILES.values())],
+    [(GemvTile(8, 64), 1)]
+    + [(t, m) for t in _TILES for m in (1, 3)]
+    + [(t, 1) for t in dict.fromkeys(ONE_ROW_TILES.values())],
     ids=lambda v: f"n{v.block_n}k{v.block_k}" if isinstance(v, GemvTile) else f"m{v}",
 )
 def test_every_tile_gives_the_same_product(tile, m):
