@@ -6,6 +6,10 @@ graphs, graphs + overlapped scheduling) against the GPU's own prefill path on th
 
     python -m bench.gpu_agreement [--prompts 32] [--tokens 64] [--dtype bfloat16] [--arch kimi_linear qwen3]
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --page-size 64   # decode through FlashMLA
+    python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time
+
+--one-at-a-time generates each prompt alone, so every decode step has one row: the path of the one-row skinny GEMM
+(engine/backends/dense.py); together, the batch decodes at as many rows as prompts (cuBLAS above one row).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def agreement(
     prompt_lens: tuple[int, int] = (8, 200),
     preset: str = "tiny",
     page_size: int | None = None,
+    one_at_a_time: bool = False,
 ) -> dict[str, float]:
     model = str(make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch=arch, preset=preset))
     g = torch.Generator().manual_seed(0)
@@ -57,7 +62,10 @@ def agreement(
             model=model, device=device, dtype=dtype, kv_cache_memory_bytes=2 << 30, page_size=page_size, **flags
         )
         eng = LLMEngine(cfg)
-        outs = [r.output_token_ids for r in eng.generate(prompts, greedy)]
+        if one_at_a_time:
+            outs = [eng.generate([p], greedy)[0].output_token_ids for p in prompts]
+        else:
+            outs = [r.output_token_ids for r in eng.generate(prompts, greedy)]
         # the decode path vs this engine's own prefill path on the same tokens
         same = sum(
             int((_teacher_forced(eng, p, o) == torch.tensor(o)).sum()) for p, o in zip(prompts, outs, strict=True)
@@ -99,11 +107,15 @@ def main() -> None:
     )
     ap.add_argument("--preset", default="tiny", help="engine/tiny_model.py preset (mla512: FlashMLA's MLA dims)")
     ap.add_argument("--page-size", type=int, default=None, help="default: EngineConfig's (64 on CUDA, 16 on CPU)")
+    ap.add_argument("--one-at-a-time", action="store_true", help="decode each prompt alone (steps of one row)")
     a = ap.parse_args()
     for arch in a.arch:
-        r = agreement(arch, a.prompts, a.tokens, a.dtype, a.device, tuple(a.prompt_lens), a.preset, a.page_size)
+        r = agreement(
+            arch, a.prompts, a.tokens, a.dtype, a.device, tuple(a.prompt_lens), a.preset, a.page_size, a.one_at_a_time
+        )
+        alone = " one at a time" if a.one_at_a_time else ""
         print(
-            f"{arch} {a.preset} page {a.page_size or 'default'} {a.dtype}: "
+            f"{arch} {a.preset} page {a.page_size or 'default'} {a.dtype}{alone}: "
             + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
             flush=True,
         )
