@@ -1,5 +1,5 @@
 """The dense projections of the models (``nn.Linear`` weights, no bias): ``F.linear`` as the reference; on CUDA the
-skinny GEMM of kernels/gemv for decode-sized steps, where cuBLAS's tiles leave a fifth to half of the copy
+skinny GEMM of kernels/gemv for one-row (batch-1 decode) steps, where cuBLAS's tiles leave a fifth to half of the copy
 bandwidth unused (kernels/gemv/triton.py's docstring; ``bench/gemv_sweep.py``)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TritonDense(TorchDense):
 
 
 def gpu_dense_backend() -> TorchDense:
-    """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM at decode sizes, ``0`` cuBLAS for every projection."""
+    """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM for one-row steps, ``0`` cuBLAS for every projection."""
     choice = os.environ.get("TANDEM_GEMV", "1").strip()
     if choice not in ("0", "1"):
         raise ValueError(f"TANDEM_GEMV must be 0 or 1, got {choice!r}")
