@@ -17,42 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.flashmla_check import RANK, SCALE, workload
+from bench.graph_time import graph_us
 from kernels.flashmla.naive_plan import naive_plan, plan_errors
 
 ITERS = 20  # launches per graph replay
 MAX_DIFF = 2e-2  # vs FlashMLA's own plan: bf16 outputs of two summation orders
 VARIANTS_HELP = "flashmla (its own planner), auto (the policy), N parts, or mK (all parts, >= K blocks each)"
-
-
-def _graph_us(fn: Callable[[], object], replays: int = 7) -> float:
-    """Microseconds per call: ITERS calls captured in one graph, median over replays (CUDA events)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up off the capture stream: Triton compiles, FlashMLA sets its smem attributes
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ITERS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / ITERS)
-    return statistics.median(times)
 
 
 def _parts_env(variant: str) -> tuple[str, int | None, int | None]:
@@ -87,7 +63,7 @@ def run_workload(batch: int, ctx: int, mixed: bool, variants: list[str], device:
         out = call(sched).float()
         meta, num_splits = sched.plan  # the plan this call used: ours, or FlashMLA's
         res = {
-            "us": _graph_us(call),
+            "us": graph_us(call, ITERS),
             "max_diff": (out - own).abs().max().item(),
             "splits": int(num_splits[-1]),
             "max_splits": int((num_splits[1:] - num_splits[:-1]).max()),

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.graph_time import graph_us
 from bench.mid.roofline import copy_bandwidth
 from kernels.gemv.naive import naive_gemv
 from kernels.gemv.triton import GemvTile, gemv, gemv_tile
@@ -44,29 +44,9 @@ def dot_tiles() -> list[GemvTile]:
     return [GemvTile(n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 5))]
 
 
-def graph_us(fn: Callable[[int], object], copies: int, replays: int = 7) -> float:
-    """Microseconds per call: calls over the weight copies captured in one graph, median over replays."""
-    reps = max(1, LAUNCHES // copies)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)  # compile / pick the cuBLAS algorithm off the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for i in range(copies):
-                fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * copies))
-    return statistics.median(times)
+def rotated_us(fn: Callable[[int], object], copies: int) -> float:
+    """Microseconds per call of fn(i) over the weight copies i in turn (``graph_us`` of one round of them)."""
+    return graph_us(lambda: [fn(i) for i in range(copies)], iters=max(1, LAUNCHES // copies)) / copies
 
 
 def sweep_shape(name: str, n: int, k: int, m: int, bw: float, dev: torch.device) -> dict:
@@ -82,7 +62,7 @@ def sweep_shape(name: str, n: int, k: int, m: int, bw: float, dev: torch.device)
     def frac(us: float) -> float:
         return moved / (us * 1e-6) / bw
 
-    cublas = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
+    cublas = rotated_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
     assert F.linear(x, ws[0]).shape == (m, n)
     tiles = one_row_tiles() if m == 1 else dot_tiles()
     if gemv_tile(m, n, k) not in tiles:
@@ -91,7 +71,7 @@ def sweep_shape(name: str, n: int, k: int, m: int, bw: float, dev: torch.device)
     for tile in tiles:
         got = gemv(x, ws[0], tile=tile).float()
         err = ((got - ref).norm() / ref.norm()).item()
-        us = graph_us(lambda i, t=tile: gemv(x, ws[i], out=outs[i], tile=t), copies)
+        us = rotated_us(lambda i, t=tile: gemv(x, ws[i], out=outs[i], tile=t), copies)
         rows.append({"tile": tile.__dict__, "us": us, "roofline": frac(us), "rel_err": err})
     best = min(rows, key=lambda r: r["us"])
     default = gemv_tile(m, n, k).__dict__

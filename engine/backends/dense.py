@@ -27,19 +27,19 @@ class TritonDense(TorchDense):
     everything else, longer steps included, through ``F.linear``."""
 
     def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS) -> None:
-        from kernels.gemv.triton import GEMV_MAX_ROWS
-
-        self.max_rows = max_rows
-        if not 0 <= self.max_rows <= GEMV_MAX_ROWS:
-            raise ValueError(f"max_rows must be in 0..{GEMV_MAX_ROWS}, got {self.max_rows}")
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        from kernels.gemv.triton import gemv
+        from kernels.gemv.triton import GEMV_MAX_ROWS, gemv
         from kernels.triton_utils import is_interpreting
 
+        if not 0 <= max_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"max_rows must be in 0..{GEMV_MAX_ROWS}, got {max_rows}")
+        self.max_rows = max_rows
+        self._gemv = gemv
+        self._is_interpreting = is_interpreting
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         fits = x.ndim == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == weight.dtype
-        if fits and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or is_interpreting()):
-            return gemv(x, weight)
+        if fits and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or self._is_interpreting()):
+            return self._gemv(x, weight)
         return F.linear(x, weight)
 
 
