@@ -139,6 +139,7 @@ def mla_cases() -> dict[str, dict]:
     out = {}
     for keys_major, block_n, warps in ((False, 32, 4), (False, 32, 16), (True, 64, 8)):
         ce = dims | {"BLOCK_N": block_n, "KEYS_MAJOR": keys_major, "SPLIT": True, "DOT_F32": False, "PREC": "tf32"}
+        ce |= {"USE_PDL": False}
         form = "keys-major" if keys_major else "heads-major"
         out[f"MLA decode {form}, {block_n}-key tiles, {warps} warps"] = report(
             mla_decode._mla_decode_kernel, dict(sig), ce, (*list(sig)[:7], *strides), warps, 2

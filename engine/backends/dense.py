@@ -15,6 +15,13 @@ class TorchDense:
         """x [..., K] @ weight [N, K]^T."""
         return F.linear(x, weight)
 
+    def gated_norm_linear(
+        self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    ) -> torch.Tensor | None:
+        """KDA's output norm and projection in one launch where this backend fuses them (x, gate [T, H * D]);
+        None means it does not: the caller runs the norm, then ``linear``."""
+        return None
+
 
 DENSE_GEMV_MAX_ROWS = 1
 """Rows up to which the projections take the skinny GEMM. ``bench/gemv_sweep.py`` on the H200: at one row it beat
@@ -27,6 +34,7 @@ class TritonDense(TorchDense):
     everything else, longer steps included, through ``F.linear``."""
 
     def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS) -> None:
+        from kernels.gemv.gated_norm import gated_norm_gemv, gated_norm_gemv_fits
         from kernels.gemv.triton import GEMV_MAX_ROWS, gemv
         from kernels.triton_utils import is_interpreting
 
@@ -34,6 +42,7 @@ class TritonDense(TorchDense):
             raise ValueError(f"max_rows must be in 0..{GEMV_MAX_ROWS}, got {max_rows}")
         self.max_rows = max_rows
         self._gemv = gemv
+        self._gated_norm_gemv, self._gated_fits = gated_norm_gemv, gated_norm_gemv_fits
         self._is_interpreting = is_interpreting
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,6 +50,16 @@ class TritonDense(TorchDense):
         if fits and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or self._is_interpreting()):
             return self._gemv(x, weight)
         return F.linear(x, weight)
+
+    def gated_norm_linear(
+        self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One-row steps (``max_rows`` >= 1): kernels/gemv/gated_norm.py, the norm inside the GEMV's loads."""
+        if self.max_rows < 1 or not (x.is_cuda or self._is_interpreting()):
+            return None
+        if not self._gated_fits(x, gate, weight, norm_weight.numel()):
+            return None
+        return self._gated_norm_gemv(x, gate, norm_weight, eps, weight)
 
 
 def gpu_dense_backend() -> TorchDense:

@@ -95,8 +95,11 @@ class KimiDeltaAttention(nn.Module):
         o = be.kda.gated_conv_recurrence(
             qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, b, state, batch
         )
-        o = o.to(x.dtype)
-        return project(self.o_norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd), self.o_proj.weight, be)
+        o, norm = o.to(x.dtype), self.o_norm
+        fused = be.dense.gated_norm_linear(o.reshape(t, h * hd), out_gate, norm.weight, norm.eps, self.o_proj.weight)
+        if fused is not None:  # one-row GPU steps: the norm inside the projection's launch
+            return fused
+        return project(norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd), self.o_proj.weight, be)
 
 
 PACKED_QKV_A_MAX_ROWS = 256

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.flashmla.naive_plan import BLOCK, META_INTS, combine_max_splits
+from kernels.pdl import pdl_kwargs, pdl_wait
 from kernels.triton_utils import check_device, next_pow2
 
 PARTS_ENV = "TANDEM_FLASHMLA_PARTS"
@@ -116,7 +117,9 @@ def _even_blocks_plan_kernel(
     PAGE: tl.constexpr,
     BLOCK_R: tl.constexpr,  # requests per chunk
     BLOCK_P: tl.constexpr,  # >= GRID_PARTS
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # FlashMLA's kernel follows and reads the plan without waiting: no early start
     offs_r = tl.arange(0, BLOCK_R)
     total = 0
     for r0 in range(0, B, BLOCK_R):
@@ -205,6 +208,7 @@ def even_blocks_plan(
         BLOCK_R=min(next_pow2(b), 32),
         BLOCK_P=next_pow2(grid_parts),
         num_warps=8,
+        **pdl_kwargs(seqlens, "plan"),
     )
     return meta, num_splits
 

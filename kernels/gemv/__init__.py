@@ -1,8 +1,9 @@
 """Skinny GEMM (GEMV) for decode-sized steps: y = x @ W^T with few rows of x. ``gemv`` (Triton) loads lazily."""
 
-from kernels.gemv.naive import naive_gemv
+from kernels.gemv.naive import naive_gated_norm_gemv, naive_gemv
 
 _TRITON = ("gemv", "gemv_tile", "GemvTile", "GEMV_MAX_ROWS")
+_GATED = ("gated_norm_gemv", "gated_norm_gemv_fits")
 
 
 def __getattr__(name: str):
@@ -10,7 +11,20 @@ def __getattr__(name: str):
         from kernels.gemv import triton as _impl
 
         return getattr(_impl, name)
+    if name in _GATED:
+        from kernels.gemv import gated_norm as _gated
+
+        return getattr(_gated, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_tile", "naive_gemv"]
+__all__ = [
+    "GEMV_MAX_ROWS",
+    "GemvTile",
+    "gated_norm_gemv",
+    "gated_norm_gemv_fits",
+    "gemv",
+    "gemv_tile",
+    "naive_gated_norm_gemv",
+    "naive_gemv",
+]

@@ -11,3 +11,19 @@ def naive_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
     return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def naive_gated_norm_gemv(
+    x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> torch.Tensor:
+    """KDA's output norm, then its projection, as two steps: each head's D = norm_weight.numel() columns of x
+    [M, H * D] RMS-normed in fp32, times the norm's weight and sigmoid(gate), rounded to x's dtype (what the norm
+    stores), then ``naive_gemv`` with weight [N, H * D]."""
+    m, k = x.shape
+    d = norm_weight.numel()
+    if gate.shape != x.shape or k % d:
+        raise ValueError(f"x and gate [M, H * {d}] must match, got {tuple(x.shape)} and {tuple(gate.shape)}")
+    xf = x.float().view(m, k // d, d)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = norm_weight.float() * normed * torch.sigmoid(gate.float().view(m, k // d, d))
+    return naive_gemv(y.to(x.dtype).view(m, k), weight)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 GEMV_MAX_ROWS = 16
@@ -70,7 +71,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     # rows past N read row N - 1 (their results are not stored), so the weight loads need no row mask
@@ -154,6 +157,7 @@ def gemv(
         PREC=prec,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        **pdl_kwargs(x, "gemv"),
     )
     return out
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign, moe_align
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, is_interpreting, next_pow2
 
 BLOCK_ALIGN = os.environ.get("TANDEM_MOE_BLOCK_ALIGN", "1") != "0"
@@ -44,7 +45,9 @@ def _moe_align_by_expert_kernel(
     N,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     e = tl.program_id(0)
     o_b = tl.arange(0, BLOCK)
     lower = tl.zeros([BLOCK], dtype=tl.int32)
@@ -84,14 +87,24 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block: int | None = No
     ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)  # every program writes its end
     blk = block or min(1024, max(16, next_pow2(n)))
     _moe_align_by_expert_kernel[(num_experts,)](
-        flat, order, token, position, ends, n, TOP_K=ids.shape[1], BLOCK=blk, num_warps=num_warps
+        flat,
+        order,
+        token,
+        position,
+        ends,
+        n,
+        TOP_K=ids.shape[1],
+        BLOCK=blk,
+        num_warps=num_warps,
+        **pdl_kwargs(flat, "moe"),
     )
     return MoEAlign(order=order, token=token, offsets=ends, position=position)
 
 
 @triton.jit
-def _block_counts_kernel(IDS, COUNTS, N, E: tl.constexpr, BLOCK: tl.constexpr):
+def _block_counts_kernel(IDS, COUNTS, N, E: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """COUNTS[b, e]: pairs of block b routed to expert e."""
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     o = b * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(IDS + o, mask=o < N, other=0).to(tl.int32)
@@ -102,9 +115,10 @@ def _block_counts_kernel(IDS, COUNTS, N, E: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_rows_kernel(COUNTS, SHIFT, ENDS, NB, E: tl.constexpr):
+def _block_rows_kernel(COUNTS, SHIFT, ENDS, NB, E: tl.constexpr, USE_PDL: tl.constexpr):
     """SHIFT[b, e] = first row of block b's pairs of expert e minus the pairs of lower experts in block b
     (so a block's i-th pair in (expert, pair) order lands at SHIFT[b, e] + i); ENDS[e] = expert e's end row."""
+    pdl_enter(USE_PDL)
     o_e = tl.arange(0, E)
     total = tl.zeros([E], dtype=tl.int32)
     for b in range(NB):
@@ -119,8 +133,18 @@ def _block_rows_kernel(COUNTS, SHIFT, ENDS, NB, E: tl.constexpr):
 
 @triton.jit
 def _block_place_kernel(
-    IDS, SHIFT, ORDER, TOKEN, POSITION, N, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr
+    IDS,
+    SHIFT,
+    ORDER,
+    TOKEN,
+    POSITION,
+    N,
+    E: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     o_b = tl.arange(0, BLOCK)
     o = b * BLOCK + o_b
@@ -153,9 +177,11 @@ def moe_align_blocks(ids: torch.Tensor, num_experts: int, block: int = 2048, num
     counts = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
     shift = torch.empty_like(counts)
     meta = dict(E=num_experts, BLOCK=block, num_warps=num_warps)
-    _block_counts_kernel[(nb,)](flat, counts, n, **meta)
-    _block_rows_kernel[(1,)](counts, shift, ends, nb, E=num_experts, num_warps=num_warps)
-    _block_place_kernel[(nb,)](flat, shift, order, token, position, n, TOP_K=ids.shape[1], **meta)
+    _block_counts_kernel[(nb,)](flat, counts, n, **meta, **pdl_kwargs(flat, "moe"))
+    _block_rows_kernel[(1,)](counts, shift, ends, nb, E=num_experts, num_warps=num_warps, **pdl_kwargs(flat, "moe"))
+    _block_place_kernel[(nb,)](
+        flat, shift, order, token, position, n, TOP_K=ids.shape[1], **meta, **pdl_kwargs(flat, "moe")
+    )
     return MoEAlign(order=order, token=token, offsets=ends, position=position)
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.grouped import moe_combine
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, is_interpreting, next_pow2
 
 
@@ -30,7 +31,9 @@ def _moe_combine_kernel(
     TOP_K: tl.constexpr,
     HAS_ADD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
@@ -83,6 +86,7 @@ def moe_combine_triton(
         TOP_K=k,
         HAS_ADD=add is not None,
         BLOCK_H=block_h,
+        **pdl_kwargs(y, "moe"),
     )
     return out
 

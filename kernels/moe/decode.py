@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm
 
 MAX_PAIRS = 4096
@@ -68,7 +69,9 @@ def _gate_up_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     COMPACT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT)
     if start < 0:
         return
@@ -116,7 +119,9 @@ def _down_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     COMPACT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT)
     if start < 0:
         return
@@ -194,11 +199,11 @@ def moe_experts_decode(
     blocks["COMPACT"] = compact
     _gate_up_kernel[(grid0, triton.cdiv(i, block_n))](
         x, al.token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
-        a.stride(0), **blocks, num_warps=num_warps,
+        a.stride(0), **blocks, num_warps=num_warps, **pdl_kwargs(x, "moe"),
     )  # fmt: skip
     _down_kernel[(grid0, triton.cdiv(h, block_n))](
         a, ends, pairs, pos, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_kwargs(x, "moe"),
     )  # fmt: skip
     return y
 

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 SPLIT_K = 256
@@ -38,7 +39,9 @@ def _router_partials_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     i_e = tl.program_id(0)
     i_s = tl.program_id(1)
     o_t = tl.arange(0, BLOCK_T)
@@ -92,6 +95,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
         DOT_F32=dot_f32,
         PREC=prec,
         num_warps=4,
+        **pdl_kwargs(x, "moe"),
     )
     return out
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, next_pow2
 
 
@@ -34,7 +35,9 @@ def _sigmoid_topk_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < T
@@ -135,6 +138,7 @@ def sigmoid_topk_route_triton(
         BLOCK_E=block_e,
         BLOCK_K=next_pow2(out_k),
         num_warps=4,
+        **pdl_kwargs(weights, "moe"),
     )
     return weights, ids
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, next_pow2
 
 
@@ -29,7 +30,9 @@ def _latent_write_kernel(
     ROPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_ROPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOTS + i_t).to(tl.int64)
     if slot < 0:
@@ -84,6 +87,7 @@ def write_mla_latent_triton(
         BLOCK_R=next_pow2(kv_lora_rank),
         BLOCK_ROPE=next_pow2(max(rope, 1)),
         num_warps=4,
+        **pdl_kwargs(cache, "attention"),
     )
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention.triton import LOG2E, SplitOutputs, _num_sms
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 MIN_SPLIT = 128  # keys per split at least (automatic splits)
@@ -71,7 +72,9 @@ def _mla_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     i_b = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1)
     ctx = tl.load(CTX + i_b)
@@ -262,6 +265,7 @@ def mla_decode_fwd(
         PREC=prec,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_kwargs(q_lat, "attention"),
     )
     split.merge(out)
     return out

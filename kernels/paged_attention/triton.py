@@ -45,6 +45,7 @@ from kernels.paged_attention.meta import (
     pack_block_tables,
     plan_gqa,
 )
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 LOG2E = 1.4426950408889634
@@ -104,7 +105,9 @@ def _paged_attn_fwd_kernel(
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     i_w = tl.program_id(0)
     i_kvh = tl.program_id(1).to(tl.int64)
     i_s = tl.program_id(2)
@@ -213,8 +216,10 @@ def _merge_splits_kernel(
     stride_o_h,
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """O[t, h] = sum_s 2^(lse_s - lse) * OP[s, t, h] with lse = log2 sum_s 2^lse_s (log2 domain)."""
+    pdl_enter(USE_PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -275,6 +280,7 @@ class SplitOutputs:
             DV=dv,
             BLOCK_DV=next_pow2(dv),
             num_warps=4,
+            **pdl_kwargs(out, "attention"),
         )
 
 
@@ -425,6 +431,7 @@ def attention_fwd(
         PREC=prec,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_kwargs(q_a, "attention"),
     )
     split.merge(out)
     return out

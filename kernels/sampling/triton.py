@@ -14,13 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, next_pow2
 
 BLOCK = 2048
 
 
 @triton.jit
-def _chunk_max_kernel(X, VALS, IDX, V, stride_x, n_chunks, BLOCK: tl.constexpr):
+def _chunk_max_kernel(X, VALS, IDX, V, stride_x, n_chunks, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +35,8 @@ def _chunk_max_kernel(X, VALS, IDX, V, stride_x, n_chunks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_argmax_kernel(VALS, IDX, OUT, n_chunks, CHUNKS: tl.constexpr):
+def _row_argmax_kernel(VALS, IDX, OUT, n_chunks, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     ok = c < n_chunks
@@ -61,6 +64,10 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     n_chunks = triton.cdiv(v, BLOCK)
     vals = torch.empty(s, n_chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(s, n_chunks, dtype=torch.int32, device=logits.device)
-    _chunk_max_kernel[(s, n_chunks)](logits, vals, idx, v, logits.stride(0), n_chunks, BLOCK=BLOCK, num_warps=4)
-    _row_argmax_kernel[(s,)](vals, idx, out, n_chunks, CHUNKS=next_pow2(n_chunks), num_warps=1)
+    _chunk_max_kernel[(s, n_chunks)](
+        logits, vals, idx, v, logits.stride(0), n_chunks, BLOCK=BLOCK, num_warps=4, **pdl_kwargs(logits, "sampling")
+    )
+    _row_argmax_kernel[(s,)](
+        vals, idx, out, n_chunks, CHUNKS=next_pow2(n_chunks), num_warps=1, **pdl_kwargs(logits, "sampling")
+    )
     return out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, next_pow2
 from kernels.upload import upload
 
@@ -53,7 +54,9 @@ def _short_conv_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     i_n = tl.program_id(0)
     i_c = tl.program_id(1)
     i_t = tl.program_id(2)
@@ -240,9 +243,11 @@ def short_conv_update(
     meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tl_.num_warps)
     one = n_chunks == 1
     grid = (n, triton.cdiv(c, block_c), n_chunks)
-    _short_conv_kernel[grid](*args, t_chunk, n_chunks, CONV=True, WRITE_STATE=one, **meta)
+    _short_conv_kernel[grid](*args, t_chunk, n_chunks, CONV=True, WRITE_STATE=one, **meta, **pdl_kwargs(x, "conv"))
     if not one:  # every chunk has read the old window: now the states
-        _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, t_chunk, 1, CONV=False, WRITE_STATE=True, **meta)
+        _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
+            *args, t_chunk, 1, CONV=False, WRITE_STATE=True, **meta, **pdl_kwargs(x, "conv")
+        )
     return out
 
 
@@ -265,7 +270,9 @@ def write_windows(
     args = (x, x, conv_state, weight, slots, query_start_loc, slots, has_initial_state, c, s)
     args += (x.stride(0), x.stride(0), 0, c, conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=False, HAS_ACC=False, BLOCK_C=block_c, BLOCK_T=1, BLOCK_S=next_pow2(max(s, kw - 1)))
-    _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](*args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4)
+    _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
+        *args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4, **pdl_kwargs(x, "conv")
+    )
 
 
 __all__ = ["ConvTiles", "default_tiles", "short_conv_update", "write_windows"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv.naive import naive_gemv
+from kernels.gemv.gated_norm import gated_norm_gemv, gated_norm_gemv_fits
+from kernels.gemv.naive import naive_gated_norm_gemv, naive_gemv
 from kernels.gemv.triton import GEMV_MAX_ROWS, ONE_ROW_TILES, GemvTile, gemv, gemv_tile
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
 
@@ -117,3 +118,26 @@ def test_dense_backend_switch(monkeypatch):
     monkeypatch.setenv("TANDEM_GEMV", "yes")
     with pytest.raises(ValueError, match="TANDEM_GEMV must be 0 or 1"):
         gpu_dense_backend()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("n", "heads", "d"), [(40, 2, 32), (37, 3, 16), (24, 8, 8)])
+def test_gated_norm_gemv_matches_two_steps(n, heads, d, dtype):
+    """KDA's output norm inside the one-row GEMV (whole heads a K block; 3 heads: blocks of one head) vs the norm,
+    rounded, then the product."""
+    x, w = _operands(1, n, heads * d, dtype)
+    gen = torch.Generator().manual_seed(n)
+    gate = torch.randn(1, heads * d, generator=gen).to(DEVICE, dtype) * 3
+    norm_w = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEVICE, dtype)
+    want = naive_gated_norm_gemv(x, gate, norm_w, 1e-6, w)
+    assert_close("gated_norm_gemv", want, gated_norm_gemv(x, gate, norm_w, 1e-6, w), tol(dtype))
+
+
+def test_gated_norm_gemv_rejects_what_it_cannot_fuse():
+    x, w = _operands(2, 8, 64, torch.float32)
+    norm_w = torch.ones(32, device=DEVICE)
+    with pytest.raises(ValueError, match="gated_norm_gemv takes x, gate"):
+        gated_norm_gemv(x, x, norm_w, 1e-6, w)  # two rows
+    assert not gated_norm_gemv_fits(x[:1], x[:1], w, 24)  # head size not a power of two
+    assert not gated_norm_gemv_fits(x[:1], x[:1, :32], w, 32)  # gate shorter than x
+    assert gated_norm_gemv_fits(x[:1], x[1:], w, 32)

@@ -6,6 +6,8 @@ split, slot tensors, the scratch page / slot of padding rows) against the refere
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -83,3 +85,29 @@ def _record_decode_logits(eng) -> list:
     else:
         target.execute = recording
     return seen
+
+
+@pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_agreement.py covers the GPU")
+def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
+    """Prompts decoded alone, so every decode step is one row: the dense projections take kernels/gemv and KDA's
+    output norm runs inside its projection (kernels/gemv/gated_norm.py). Tokens and logits as the reference's."""
+    from engine.backends.dense import TritonDense
+
+    calls = {"gemv": 0, "gated": 0}
+    dense = TritonDense()
+    gemv, gated = dense._gemv, dense._gated_norm_gemv
+    dense._gemv = lambda *a, **k: calls.__setitem__("gemv", calls["gemv"] + 1) or gemv(*a, **k)
+    dense._gated_norm_gemv = lambda *a, **k: calls.__setitem__("gated", calls["gated"] + 1) or gated(*a, **k)
+    prompts = random_prompts(2, [40, 11], seed=9)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ref = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=512)
+    eng = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=512, cuda_graphs=True)
+    eng.model.backends = dataclasses.replace(gpu_backends(), dense=dense)
+    eng.model.pack_weights()
+    ref_logits, got_logits = _record_decode_logits(ref), _record_decode_logits(eng)
+    for p in prompts:
+        assert eng.generate([p], params)[0].output_token_ids == ref.generate([p], params)[0].output_token_ids
+    assert calls["gated"] > 0 and calls["gemv"] > calls["gated"], calls
+    assert len(got_logits) >= len(ref_logits) == 2 * (params.max_tokens - 1)
+    for want, have in zip(ref_logits, got_logits, strict=False):
+        torch.testing.assert_close(have, want, atol=1e-4, rtol=0)
