@@ -52,6 +52,11 @@
 #                                            # kernel, then the mla512 agreement (~5 min: give it the call's rest)
 #   bash bench/gpu_session.sh gemv           # 1 x H200: the skinny GEMM's tests, its tile sweep against cuBLAS at the
 #                                            # mid shapes (bench/gemv_sweep.py), then decode b1 with TANDEM_GEMV=1 / 0
+#   bash bench/gpu_session.sh one-row        # 1 x H200: the 2,048-token agreement with every decode step one row (the
+#                                            # skinny GEMM and KDA's norm inside o_proj), then b1 TANDEM_GEMV=1 / 0
+#   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
+#                                            # given (kernels/pdl.FAMILIES; ~130 s each: two or three a call), to find
+#                                            # the launch pair that races with PDL on
 #   bash bench/gpu_session.sh op-sites       # 1 x H200: the aten ops of a decode step at b1 / b16 by call site
 #                                            # (bench/op_sites.py: each is a graph node beside the Triton launches)
 #   bash bench/gpu_session.sh conv-sweep     # 1 x H200: short conv launch parameters vs fla's causal_conv1d
@@ -74,7 +79,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -137,6 +142,13 @@ case "$step" in
     python -m bench.gemv_sweep --out "$OUT/gemv_sweep.json" | tee "$OUT/gemv_sweep.txt"
     for v in 1 0; do TANDEM_GEMV=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
       --out "$OUT/decode_timeline_b1_gemv$v.json" 2>&1 | grep "a step"; done ;;
+  one-row) python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time \
+      2>&1 | grep -v -i warn | tee "$OUT/agreement_one_row.txt"
+    for v in 1 0; do TANDEM_GEMV=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
+      --out "$OUT/decode_timeline_b1_gemv$v.json" 2>&1 | grep "a step"; done ;;
+  pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
+      --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \
+      | head -3 | tee -a "$OUT/agreement_pdl.txt"; done ;;
   op-sites) for b in 1 16; do python -m bench.op_sites --ctx 4096 --batch $b "$@" | tee "$OUT/op_sites_b$b.txt"; done ;;
   mla-sweep) python -m bench.mla_decode_sweep --out "$OUT/mla_sweep.json" "$@" ;;
   flashmla) python -m bench.flashmla_check --out "$OUT/flashmla_check.json" | tee "$OUT/flashmla_check.txt"
