@@ -156,10 +156,12 @@ class GPUMoEBackend(MoEBackend):
     of kernels/moe/decode.py (measured on an H200 at T=64: 0.61 vs 0.94 ms a layer, docs/PERFORMANCE.md;
     ``TANDEM_MOE_DECODE_KERNELS=0`` turns them off for bf16), longer ones through the tile-scheduled kernels
     of kernels/moe/prefill.py (the gather and SwiGLU fused into the GEMMs; ``TANDEM_MOE_PREFILL_KERNELS=0``
-    keeps torch's grouped GEMMs for bf16). On Hopper the gate-up GEMM reads the weights through TMA
-    (``TANDEM_MOE_GATE_UP_TMA=0``: the pointer kernel), and so does the down GEMM below 16k tokens, torch's
-    grouped_mm from there (``TANDEM_MOE_DOWN_IMPL`` = auto | grouped_mm | triton | tma overrides, for A / B
-    runs). fp32 on CUDA always takes the kernels: the grouped path would read the group sizes on the host."""
+    keeps torch's grouped GEMMs for bf16). One-token steps skip the sorted layout (``moe_experts_decode``'s pair
+    rows: one launch a layer fewer; ``TANDEM_MOE_PAIR_ROWS=0`` keeps the align). On Hopper the gate-up GEMM
+    reads the weights through TMA (``TANDEM_MOE_GATE_UP_TMA=0``: the pointer kernel), and so does the down GEMM
+    below 16k tokens, torch's grouped_mm from there (``TANDEM_MOE_DOWN_IMPL`` = auto | grouped_mm | triton | tma
+    overrides, for A / B runs). fp32 on CUDA always takes the kernels: the grouped path would read the group sizes
+    on the host."""
 
     def __init__(
         self,
@@ -186,6 +188,7 @@ class GPUMoEBackend(MoEBackend):
                 f"MoE down_impl (TANDEM_MOE_DOWN_IMPL) must be auto, grouped_mm, triton or tma, got {self.down_impl!r}"
             )
         self.fold_shared = self.decode_kernels and os.environ.get("TANDEM_MOE_FOLD_SHARED", "1").strip() != "0"
+        self.pair_rows = os.environ.get("TANDEM_MOE_PAIR_ROWS", "1").strip() != "0"
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -251,8 +254,12 @@ class GPUMoEBackend(MoEBackend):
         pairs = ids.numel()
         if w13 is not None and 0 < pairs <= DECODE_MAX_PAIRS and self._decode_path(x):
             try:
+                x_rows = x if x.stride(1) == 1 else x.contiguous()
+                if self.pair_rows and x.shape[0] == 1:  # one token: its experts are distinct, no sort needed
+                    y = moe_experts_decode(x_rows, None, w13, w2, ids=ids.reshape(-1))
+                    return moe_combine_auto(y, None, weights, x.dtype, add)
                 al = moe_align_auto(ids, w13.shape[0])
-                y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), al, w13, w2, ids=ids.reshape(-1))
+                y = moe_experts_decode(x_rows, al, w13, w2, ids=ids.reshape(-1))
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # e.g. a compile failure on an untried GPU: the grouped path, for good
                 self._decode_failed = True

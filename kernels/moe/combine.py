@@ -20,7 +20,7 @@ from kernels.triton_utils import check_device, is_interpreting, next_pow2
 @triton.jit
 def _moe_combine_kernel(
     Y,  # [T*k, H] expert outputs, sorted rows
-    ROWS,  # [T*k] int64 sorted row of pair t*k + s
+    ROWS,  # [T*k] int64 sorted row of pair t*k + s (not read with PAIR_ORDER: row t*k + s)
     W,  # [T, k] routing weights (any float dtype)
     OUT,  # [T, H]
     ADD,  # [T, H] added to the rounded sum (HAS_ADD): the shared expert's output
@@ -30,6 +30,7 @@ def _moe_combine_kernel(
     stride_add,
     TOP_K: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    PAIR_ORDER: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -39,7 +40,10 @@ def _moe_combine_kernel(
     m = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
-        row = tl.load(ROWS + t * TOP_K + s)
+        if PAIR_ORDER:
+            row = t * TOP_K + s
+        else:
+            row = tl.load(ROWS + t * TOP_K + s)
         w = tl.load(W + t * TOP_K + s).to(tl.float32)
         acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_ADD:  # rounded first, then added and rounded again: bit for bit the separate `y + shared`
@@ -50,17 +54,17 @@ def _moe_combine_kernel(
 
 def moe_combine_triton(
     y: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     weights: torch.Tensor,
     out_dtype: torch.dtype,
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [T*k, H], rows [T*k] int64, weights [T, k] -> [T, H] ``out_dtype`` (``grouped.moe_combine``);
     ``add`` [T, H] is added to the rounded sum in the same launch (the shared expert: one pass over [T, H]
-    fewer than a separate add)."""
-    check_device("moe_combine_triton", y, rows, weights)
+    fewer than a separate add). rows None: y is in pair order (``moe_experts_decode``'s pair rows)."""
+    check_device("moe_combine_triton", y, weights, *(() if rows is None else (rows,)))
     t, k = weights.shape
-    if y.ndim != 2 or y.shape[0] != t * k or rows.shape != (t * k,):
+    if y.ndim != 2 or y.shape[0] != t * k or (rows is not None and rows.shape != (t * k,)):
         raise ValueError(f"y must be [T*k, H] and rows [T*k] for weights {tuple(weights.shape)}")
     y = y if y.stride(1) == 1 else y.contiguous()
     h = y.shape[1]
@@ -75,7 +79,7 @@ def moe_combine_triton(
     grid = (t, triton.cdiv(h, block_h))
     _moe_combine_kernel[grid](
         y,
-        rows.contiguous(),
+        weights if rows is None else rows.contiguous(),  # not read in pair order
         weights.contiguous(),
         out,
         out if add is None else add,
@@ -85,6 +89,7 @@ def moe_combine_triton(
         0 if add is None else add.stride(0),
         TOP_K=k,
         HAS_ADD=add is not None,
+        PAIR_ORDER=rows is None,
         BLOCK_H=block_h,
         **pdl_kwargs(y, "moe"),
     )
@@ -93,7 +98,7 @@ def moe_combine_triton(
 
 def moe_combine_auto(
     y: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     weights: torch.Tensor,
     out_dtype: torch.dtype,
     add: torch.Tensor | None = None,

@@ -11,6 +11,10 @@ Here, on the expert-sorted layout of kernels/moe/align.py:
 
 Programs of experts with no rows return at once. The combine (kernels/moe/combine.py) then sums each
 token's k rows in fp32. Graph-safe: group bounds are read on the device.
+
+One token (a batch-1 decode step) needs no sorted layout: its k experts are distinct, so pair s is row s and
+expert ``ids[s]`` (``pair_rows``): the align launch leaves each MoE layer of the step, and the combine reads the
+rows in pair order. Above one token pairs may share an expert, which the sorted layout reads once.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ MAX_PAIRS = 4096
 
 
 @triton.jit
-def _expert_of_program(ENDS, IDS, POS, COMPACT: tl.constexpr):
+def _expert_of_program(ENDS, IDS, POS, COMPACT: tl.constexpr, PAIR_ROWS: tl.constexpr):
     """(expert, its first sorted row, its end row) of this program's axis-0 index; start -1: nothing to do.
 
     Not compact: one program per expert, most of them empty at decode sizes (8 of 256 experts at batch 1, yet
     256 x columns programs launched). Compact: one program per (token, slot) pair, which takes its pair's expert
     only when it is that expert's first pair in sorted order, so every expert with rows is taken once and the
-    grid is min(T*k, E) wide."""
+    grid is min(T*k, E) wide. Pair rows: one program per pair, row = pair, no sorted layout (one token)."""
     slot = tl.program_id(0)
+    if PAIR_ROWS:
+        return tl.load(IDS + slot).to(tl.int32), slot, slot + 1
     if COMPACT:
         e = tl.load(IDS + slot).to(tl.int32)
     else:
@@ -50,9 +56,9 @@ def _expert_of_program(ENDS, IDS, POS, COMPACT: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(
     X,  # [T, H] activations
-    TOKEN,  # [N] int64 token of each sorted row
+    TOKEN,  # [N] int64 token of each sorted row (not read with PAIR_ROWS: one token)
     ENDS,  # [E] int32 end row of each expert's group
-    IDS,  # [N] int64 expert of each pair (COMPACT)
+    IDS,  # [N] int64 expert of each pair (COMPACT, PAIR_ROWS)
     POS,  # [N] int64 sorted row of each pair (COMPACT)
     W13,  # [E, 2I, H] gate rows 0..I-1, up rows I..2I-1 (I = INTER)
     A,  # [N, I] out: silu(gate) * up, sorted rows
@@ -69,10 +75,11 @@ def _gate_up_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     COMPACT: tl.constexpr,
+    PAIR_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT)
+    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT, PAIR_ROWS)
     if start < 0:
         return
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,7 +89,10 @@ def _gate_up_kernel(
     for m0 in range(start, end, BLOCK_M):
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_m = o_m < end
-        tok = tl.load(TOKEN + o_m, mask=m_m, other=0)
+        if PAIR_ROWS:
+            tok = o_m * 0
+        else:
+            tok = tl.load(TOKEN + o_m, mask=m_m, other=0)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -103,7 +113,7 @@ def _gate_up_kernel(
 def _down_kernel(
     A,  # [N, I] sorted rows
     ENDS,  # [E] int32
-    IDS,  # [N] int64 (COMPACT)
+    IDS,  # [N] int64 (COMPACT, PAIR_ROWS)
     POS,  # [N] int64 (COMPACT)
     W2,  # [E, H, I]
     Y,  # [N, H] out, sorted rows
@@ -119,10 +129,11 @@ def _down_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     COMPACT: tl.constexpr,
+    PAIR_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT)
+    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT, PAIR_ROWS)
     if start < 0:
         return
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,7 +166,7 @@ def decode_tiles(tokens: int) -> tuple[int, int]:
 
 def moe_experts_decode(
     x: torch.Tensor,
-    al: MoEAlign,
+    al: MoEAlign | None,
     w13: torch.Tensor,
     w2: torch.Tensor,
     block_m: int | None = None,
@@ -168,37 +179,47 @@ def moe_experts_decode(
     -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them).
     block_m / block_n: rows / columns per program (None: ``decode_tiles`` of T).
     ids: the pairs' experts [T*k] (flat, pair order): with fewer pairs than experts the grid runs over pairs,
-    not experts (``_expert_of_program``), so no program is launched for an expert without rows."""
-    check_device("moe_experts_decode", x, al.token, al.offsets, w13, w2)
+    not experts (``_expert_of_program``), so no program is launched for an expert without rows.
+    al None (pair rows): one token, whose k experts must be distinct (a top-k); the rows come out in pair order,
+    so the combine takes ``rows=None``."""
+    check_device("moe_experts_decode", x, w13, w2, *(() if al is None else (al.token, al.offsets)))
     e, i2, h = w13.shape
     i = i2 // 2
-    if x.ndim != 2 or x.shape[1] != h or w2.shape != (e, h, i) or al.offsets.shape != (e,):
+    if x.ndim != 2 or x.shape[1] != h or w2.shape != (e, h, i) or (al is not None and al.offsets.shape != (e,)):
         raise ValueError(
             f"x [T, H], w13 [E, 2I, H], w2 [E, H, I], offsets [E]; got {tuple(x.shape)}, {tuple(w13.shape)}, "
-            f"{tuple(w2.shape)}, {tuple(al.offsets.shape)}"
+            f"{tuple(w2.shape)}, {None if al is None else tuple(al.offsets.shape)}"
         )
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("x, w13 and w2 must be contiguous along their last dimension")
+    if al is None and (x.shape[0] != 1 or ids is None or ids.ndim != 1):
+        raise ValueError(
+            "pair rows (al=None) take one token and its experts as ids [k]; "
+            f"got x {tuple(x.shape)}, ids {None if ids is None else tuple(ids.shape)}"
+        )
     tile_m, tile_n = decode_tiles(x.shape[0])
     block_m, block_n = block_m or tile_m, block_n or tile_n
-    n = al.token.numel()
+    n = ids.numel() if al is None else al.token.numel()
     a = torch.empty(n, i, dtype=x.dtype, device=x.device)
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
     dot_f32, prec = dot_config(x.dtype)
     blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
-    ends = al.offsets.to(torch.int32)
-    compact = ids is not None and n < e
-    if compact:
-        if ids.shape != (n,):
-            raise ValueError(f"ids must be the [{n}] experts of the pairs, got {tuple(ids.shape)}")
-        pairs, pos, grid0 = ids, al.rows_of_pairs(), n
+    if al is None:
+        token, ends, pairs, pos, grid0, compact = ids, ids, ids, ids, n, False  # only IDS is read
     else:
-        pairs, pos, grid0 = ends, ends, e  # unused pointers
-    blocks["COMPACT"] = compact
+        token, ends = al.token, al.offsets.to(torch.int32)
+        compact = ids is not None and n < e
+        if compact:
+            if ids.shape != (n,):
+                raise ValueError(f"ids must be the [{n}] experts of the pairs, got {tuple(ids.shape)}")
+            pairs, pos, grid0 = ids, al.rows_of_pairs(), n
+        else:
+            pairs, pos, grid0 = ends, ends, e  # unused pointers
+    blocks.update(COMPACT=compact, PAIR_ROWS=al is None)
     _gate_up_kernel[(grid0, triton.cdiv(i, block_n))](
-        x, al.token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
+        x, token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
         a.stride(0), **blocks, num_warps=num_warps, **pdl_kwargs(x, "moe"),
     )  # fmt: skip
     _down_kernel[(grid0, triton.cdiv(h, block_n))](

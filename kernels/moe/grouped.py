@@ -46,13 +46,17 @@ class MoEAlign:
 
 
 def moe_combine(
-    y: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype, add: torch.Tensor | None = None
+    y: torch.Tensor,
+    rows: torch.Tensor | None,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_s weights[t, s] * y[rows[t * k + s]] in fp32. y [T*k, H] expert outputs in sorted order,
-    rows [T*k], weights [T, k] -> [T, H] ``out_dtype``, then ``+ add`` [T, H] when given (the shared expert).
-    (kernels/moe/combine.py: the same in one launch.)"""
+    rows [T*k] (None: y is in pair order), weights [T, k] -> [T, H] ``out_dtype``, then ``+ add`` [T, H] when
+    given (the shared expert). (kernels/moe/combine.py: the same in one launch.)"""
     t, k = weights.shape
-    picked = y[rows].view(t, k, y.shape[1]).float()
+    picked = (y if rows is None else y[rows]).view(t, k, y.shape[1]).float()
     out = (picked * weights.float()[..., None]).sum(dim=1).to(out_dtype)
     return out if add is None else out + add
 

@@ -89,9 +89,18 @@ def _record_decode_logits(eng) -> list:
 
 @pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_agreement.py covers the GPU")
 def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
-    """Prompts decoded alone, so every decode step is one row: the dense projections take kernels/gemv and KDA's
-    output norm runs inside its projection (kernels/gemv/gated_norm.py). Tokens and logits as the reference's."""
+    """Prompts decoded alone, so every decode step is one row: the dense projections take kernels/gemv, KDA's
+    output norm runs inside its projection (kernels/gemv/gated_norm.py) and the MoE experts take their pair rows
+    (no align). Tokens and logits as the reference's."""
+    import engine.backends.gpu as gpu_backend
     from engine.backends.dense import TritonDense
+
+    experts_decode, layouts = gpu_backend.moe_experts_decode, []  # (rows, pair rows?) of each MoE experts launch
+    monkeypatch.setattr(
+        gpu_backend,
+        "moe_experts_decode",
+        lambda x, al, *a, **k: layouts.append((x.shape[0], al is None)) or experts_decode(x, al, *a, **k),
+    )
 
     calls = {"gemv": 0, "gated": 0}
     dense = TritonDense()
@@ -108,6 +117,7 @@ def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
     for p in prompts:
         assert eng.generate([p], params)[0].output_token_ids == ref.generate([p], params)[0].output_token_ids
     assert calls["gated"] > 0 and calls["gemv"] > calls["gated"], calls
+    assert (1, True) in layouts and (1, False) not in layouts, layouts  # one row: always the pair rows
     assert len(got_logits) >= len(ref_logits) == 2 * (params.max_tokens - 1)
     for want, have in zip(ref_logits, got_logits, strict=False):
         torch.testing.assert_close(have, want, atol=1e-4, rtol=0)

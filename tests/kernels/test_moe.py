@@ -223,6 +223,40 @@ def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype, with_
         assert not torch.allclose(wrong.float(), y.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("e", "k", "h", "i"), [(8, 2, 64, 32), (32, 9, 96, 48), (16, 16, 64, 80)])
+def test_pair_rows_equal_the_sorted_layout_for_one_token(e, k, h, i, dtype):
+    """One token's experts are distinct: pair s as row s (no align launch) gives the sorted layout's rows, bit
+    for bit, in pair order, and the combine over them in pair order the same output."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, h, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE, dtype)
+    weights, ids = sigmoid_topk_route(torch.randn(1, e, generator=g).to(DEVICE), None, k, True, 2.446)
+    flat = ids.reshape(-1)
+    al = moe_align_triton(ids, e)
+    sorted_rows = moe_experts_decode(x, al, w13, w2, ids=flat)
+    pair_rows = moe_experts_decode(x, None, w13, w2, ids=flat)
+    assert torch.equal(pair_rows, sorted_rows[al.rows_of_pairs()])
+    out = moe_combine_triton(pair_rows, None, weights, dtype)
+    assert torch.equal(out, moe_combine_triton(sorted_rows, al.rows_of_pairs(), weights, dtype))
+    rows = al.rows_of_pairs()
+    assert torch.equal(moe_combine(pair_rows, None, weights, dtype), moe_combine(sorted_rows, rows, weights, dtype))
+    ref = naive_moe(x.float(), weights, ids, w13[:, :i].float(), w13[:, i:].float(), w2.float())
+    assert_close("pair rows", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
+    # each row is its own pair's expert: another expert order gives other rows
+    assert not torch.allclose(moe_experts_decode(x, None, w13, w2, ids=flat.flip(0)).float(), pair_rows.float())
+
+
+def test_pair_rows_refuse_more_than_one_token():
+    x = torch.zeros(2, 64, device=DEVICE)
+    w13, w2 = torch.zeros(4, 64, 64, device=DEVICE), torch.zeros(4, 64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="one token"):
+        moe_experts_decode(x, None, w13, w2, ids=torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="one token"):
+        moe_experts_decode(x[:1], None, w13, w2)
+
+
 def test_decode_tiles_take_two_row_blocks_only_above_16_tokens():
     """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns); above, 32 x 64 tiles."""
     assert [decode_tiles(t) for t in (1, 16, 17, 64)] == [(16, 32), (16, 32), (32, 64), (32, 64)]
