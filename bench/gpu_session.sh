@@ -55,6 +55,8 @@
 #   bash bench/gpu_session.sh one-row        # 1 x H200: the MoE pair-row tests, the 2,048-token agreement with every
 #                                            # decode step one row (the skinny GEMM, KDA's norm inside o_proj, the MoE
 #                                            # without its align), then b1 TANDEM_GEMV=1 / 0 and TANDEM_MOE_PAIR_ROWS=0
+#   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
+#                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
 #                                            # given (kernels/pdl.FAMILIES; ~130 s each: two or three a call), to find
 #                                            # the launch pair that races with PDL on
@@ -80,7 +82,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -151,6 +153,7 @@ case "$step" in
       --out "$OUT/decode_timeline_b1_gemv$v.json" 2>&1 | grep "a step"; done
     TANDEM_MOE_PAIR_ROWS=0 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
       --out "$OUT/decode_timeline_b1_pair_rows0.json" 2>&1 | grep "a step" ;;
+  pdl-check) python -m bench.pdl_check "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \
       | head -3 | tee -a "$OUT/agreement_pdl.txt"; done ;;

@@ -17,8 +17,9 @@ start only as it finishes.
 H200 the 2,048-token one-row agreement run (``bench.gpu_agreement --one-at-a-time``) hit an illegal address with
 PDL on, twice: before the planner took ``pdl_wait`` and after it, so some other launch pair still races; with
 ``TANDEM_PDL=0`` the same run is clean. The kernel chains of tests/kernels/test_pdl.py are bit-equal with it,
-eagerly and in a graph. Until the racing pair is found (docs/PERFORMANCE.md, twenty-fifth session; the family
-list is there to bisect it) the launches stay ordinary.
+eagerly and in a graph. Until the racing pair is found (docs/PERFORMANCE.md, twenty-fifth and twenty-sixth
+sessions; ``python -m bench.pdl_check`` compares each family's logits with ordinary launches, bit for bit) the
+launches stay ordinary.
 
 Inside a CUDA graph the launches become programmatic edges of the graph (CUDA 12.3+), so captured steps keep it.
 Off the GPU (and under ``TRITON_INTERPRET=1``, which has no ``griddepcontrol``) it is always off.
