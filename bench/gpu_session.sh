@@ -153,7 +153,7 @@ case "$step" in
       --out "$OUT/decode_timeline_b1_gemv$v.json" 2>&1 | grep "a step"; done
     TANDEM_MOE_PAIR_ROWS=0 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
       --out "$OUT/decode_timeline_b1_pair_rows0.json" 2>&1 | grep "a step" ;;
-  pdl-check) python -m bench.pdl_check "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
+  pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \
       | head -3 | tee -a "$OUT/agreement_pdl.txt"; done ;;

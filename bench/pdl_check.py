@@ -1,7 +1,10 @@
 """Programmatic dependent launch (kernels/pdl.py) against ordinary launches, kernel family by family: which
 ``TANDEM_PDL`` setting changes what the engine computes, or crashes it.
 
-    python -m bench.pdl_check [--settings gemv moe attention plan conv sampling 1] [--prompts 8] [--tokens 64]
+    python -m bench.pdl_check [--settings gemv moe attention plan conv sampling 1] [--drill] [--prompts 8]
+
+``--drill``: every family that races is then run launch site by launch site (``kernels.pdl.SITES``:
+``TANDEM_PDL=moe.align``), to name the one launch.
 
 PDL changes when a kernel starts, never what it computes, so with it on every logit of every step must equal the
 ordinary launches' bit for bit: any difference is a race. Each setting runs in a process of its own (an illegal
@@ -95,11 +98,25 @@ def compare(ref: dict[str, Any], got: dict[str, Any], logits: bool) -> dict[str,
     return out
 
 
+def _run(a: argparse.Namespace, out: Path, setting: str) -> tuple[int, str, dict[str, Any]]:
+    """One child process with ``TANDEM_PDL=setting``: (exit code, its last stderr line, what it recorded)."""
+    cmd = [sys.executable, "-m", "bench.pdl_check", "--child-out", str(out), "--prompts", str(a.prompts),
+           "--tokens", str(a.tokens), "--preset", a.preset, "--device", a.device, "--dtype", a.dtype]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, "TANDEM_PDL": setting}, capture_output=True, text=True,
+                              timeout=a.timeout)  # fmt: skip
+        rc, tail = proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+    except subprocess.TimeoutExpired:
+        rc, tail = -1, f"timed out after {a.timeout:.0f} s"
+    return rc, tail, torch.load(out) if out.exists() else {}
+
+
 def main(argv: list[str] | None = None) -> int:
-    from kernels.pdl import FAMILIES
+    from kernels.pdl import FAMILIES, SITES
 
     p = argparse.ArgumentParser(prog="python -m bench.pdl_check", description=__doc__.splitlines()[0])
     p.add_argument("--settings", nargs="+", default=[*FAMILIES, "1"], help="TANDEM_PDL values to compare with 0")
+    p.add_argument("--drill", action="store_true", help="then each launch site of every family that raced")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--preset", default="mla512", help="engine/tiny_model.py preset (mla512: FlashMLA's MLA dims)")
@@ -114,33 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.pdl_check compares GPU launches: it needs a CUDA device")
     work = Path(tempfile.mkdtemp(prefix="pdl_check_"))
-    results: dict[str, tuple[int, str, dict[str, Any]]] = {}
-    for i, setting in enumerate(["0", "0", *a.settings]):
-        name = setting if i > 1 else ("0 (reference)", "0 (control)")[i]
-        out = work / f"run{i}.pt"
-        cmd = [sys.executable, "-m", "bench.pdl_check", "--child-out", str(out), "--prompts", str(a.prompts),
-               "--tokens", str(a.tokens), "--preset", a.preset, "--device", a.device, "--dtype", a.dtype]  # fmt: skip
-        env = {**os.environ, "TANDEM_PDL": setting}
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-            rc, tail = proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
-        except subprocess.TimeoutExpired:
-            rc, tail = -1, f"timed out after {a.timeout:.0f} s"
-        results[name] = (rc, tail, torch.load(out) if out.exists() else {})
-        print(f"TANDEM_PDL={name}: exit {rc}{'' if rc == 0 else ': ' + tail}", flush=True)
-    ref = results["0 (reference)"][2]
-    if not ref:
-        raise SystemExit("the reference run (PDL off) recorded nothing: " + results["0 (reference)"][1])
-    control = compare(ref, results["0 (control)"][2], logits=True)
+    rc, tail, ref = _run(a, work / "reference.pt", "0")
+    if rc != 0 or not ref:
+        raise SystemExit(f"the reference run (PDL off) failed: exit {rc}: {tail}")
+    control = compare(ref, _run(a, work / "control.pt", "0")[2], logits=True)
     bitwise = all(v == "equal" for v in control.values())
     print(f"control (PDL off twice): {control}; comparing {'logits bit for bit' if bitwise else 'tokens only'}")
-    failed = False
-    for name, (rc, tail, got) in list(results.items())[2:]:
+    queue, raced = list(a.settings), []
+    for i, setting in enumerate(queue):  # grows with --drill
+        rc, tail, got = _run(a, work / f"run{i}.pt", setting)
         verdict = compare(ref, got, logits=bitwise)
         ok = rc == 0 and all(v in ("equal", "tokens equal") for v in verdict.values())
-        failed |= not ok
-        print(f"TANDEM_PDL={name}: {'OK' if ok else 'RACE'} {verdict}{'' if rc == 0 else ' | ' + tail}", flush=True)
-    return 1 if failed else 0
+        print(f"TANDEM_PDL={setting}: {'OK' if ok else 'RACE'} {verdict}{'' if rc == 0 else ' | ' + tail}", flush=True)
+        if not ok:
+            raced.append(setting)
+            if a.drill and setting in SITES:
+                queue += [f"{setting}.{kernel}" for kernel in SITES[setting]]
+    print(f"raced: {', '.join(raced) or 'none'}")
+    return 1 if raced else 0
 
 
 if __name__ == "__main__":

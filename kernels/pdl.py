@@ -13,7 +13,8 @@ splitkv_mla.cuh: it counts on the kernel before it not letting it start early). 
 it — our split planner, whose plan it reads — calls ``pdl_wait`` instead: it waits, but lets its dependents
 start only as it finishes.
 
-**Off by default** (``TANDEM_PDL=1`` turns it on for every family, ``TANDEM_PDL=gemv,moe`` for some): on the
+**Off by default** (``TANDEM_PDL=1`` turns it on for every family, ``TANDEM_PDL=gemv,moe.align`` for some
+families and launch sites, ``SITES``): on the
 H200 the 2,048-token one-row agreement run (``bench.gpu_agreement --one-at-a-time``) hit an illegal address with
 PDL on, twice: before the planner took ``pdl_wait`` and after it, so some other launch pair still races; with
 ``TANDEM_PDL=0`` the same run is clean. The kernel chains of tests/kernels/test_pdl.py are bit-equal with it,
@@ -36,21 +37,44 @@ import triton.language as tl
 
 from kernels.triton_utils import is_interpreting
 
-FAMILIES = ("gemv", "moe", "attention", "plan", "conv", "sampling")
-"""The launch sites by kernel family (``pdl_kwargs``'s ``family``), so ``TANDEM_PDL`` can turn PDL on for some."""
+SITES = {
+    "gemv": ("gemv", "gated_norm"),
+    "moe": (
+        "router_partials",
+        "route",
+        "align",
+        "block_counts",
+        "block_rows",
+        "block_place",
+        "gate_up",
+        "down",
+        "combine",
+    ),
+    "attention": ("paged_attn", "merge_splits", "mla_decode", "latent_write"),
+    "plan": ("flashmla_plan",),
+    "conv": ("short_conv",),
+    "sampling": ("chunk_max", "row_argmax"),
+}
+"""Every kernel launched through ``pdl_kwargs``, by family: its ``site`` is ``"family.kernel"``."""
+FAMILIES = tuple(SITES)
+"""``TANDEM_PDL`` takes families and sites, so a race can be bisected down to one launch (bench/pdl_check.py)."""
+_ALL_SITES = frozenset(f"{family}.{kernel}" for family, kernels in SITES.items() for kernel in kernels)
 
 
 @functools.cache
 def _switch() -> frozenset[str]:
-    """``TANDEM_PDL``: ``0`` (default) none, ``1`` every family, or a comma list of ``FAMILIES``."""
+    """``TANDEM_PDL``: ``0`` (default) none, ``1`` every family, or a comma list of families and sites."""
     choice = os.environ.get("TANDEM_PDL", "0").strip()
     if choice in ("0", ""):
         return frozenset()
     if choice == "1":
         return frozenset(FAMILIES)
     names = frozenset(n.strip() for n in choice.split(","))
-    if not names <= set(FAMILIES):
-        raise ValueError(f"TANDEM_PDL must be 0, 1 or a comma list of {', '.join(FAMILIES)}; got {choice!r}")
+    if not names <= set(FAMILIES) | _ALL_SITES:
+        raise ValueError(
+            f"TANDEM_PDL must be 0, 1 or a comma list of families ({', '.join(FAMILIES)}) or sites (family.kernel: "
+            f"kernels.pdl.SITES); got {choice!r}"
+        )
     return names
 
 
@@ -59,21 +83,27 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_pdl(t: torch.Tensor, family: str) -> bool:
-    """Whether a kernel of ``family`` working on ``t``'s device launches with PDL: a CUDA tensor on compute
-    capability 9.0+, not interpreting, the family switched on by ``TANDEM_PDL`` (off by default: the module's
-    docstring)."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown PDL kernel family {family!r}; known: {', '.join(FAMILIES)}")
-    if family not in _switch() or not t.is_cuda or is_interpreting():
+def switched_on(site: str) -> bool:
+    """Whether ``TANDEM_PDL`` names ``site`` (``"family.kernel"``, one of ``SITES``) or its family."""
+    if site not in _ALL_SITES:
+        known = ", ".join(sorted(_ALL_SITES))
+        raise ValueError(f"unknown PDL launch site {site!r}; known: kernels.pdl.SITES ({known})")
+    on = _switch()
+    return site in on or site.split(".")[0] in on
+
+
+def use_pdl(t: torch.Tensor, site: str) -> bool:
+    """Whether the kernel at ``site`` working on ``t``'s device launches with PDL: switched on (``switched_on``;
+    off by default: the module's docstring), a CUDA tensor on compute capability 9.0+, not interpreting."""
+    if not switched_on(site) or not t.is_cuda or is_interpreting():
         return False
     return _device_has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def pdl_kwargs(t: torch.Tensor, family: str) -> dict[str, bool]:
+def pdl_kwargs(t: torch.Tensor, site: str) -> dict[str, bool]:
     """The launch arguments of a kernel that calls ``pdl_enter`` (or ``pdl_wait``): its ``USE_PDL`` constexpr and
-    Triton's ``launch_pdl`` option, both ``use_pdl(t, family)``."""
-    on = use_pdl(t, family)
+    Triton's ``launch_pdl`` option, both ``use_pdl(t, site)``."""
+    on = use_pdl(t, site)
     return {"USE_PDL": on, "launch_pdl": on}
 
 
@@ -95,4 +125,4 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-__all__ = ["FAMILIES", "pdl_enter", "pdl_kwargs", "pdl_wait", "use_pdl"]
+__all__ = ["FAMILIES", "SITES", "pdl_enter", "pdl_kwargs", "pdl_wait", "switched_on", "use_pdl"]

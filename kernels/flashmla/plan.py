@@ -208,7 +208,7 @@ def even_blocks_plan(
         BLOCK_R=min(next_pow2(b), 32),
         BLOCK_P=next_pow2(grid_parts),
         num_warps=8,
-        **pdl_kwargs(seqlens, "plan"),
+        **pdl_kwargs(seqlens, "plan.flashmla_plan"),
     )
     return meta, num_splits
 

@@ -106,7 +106,7 @@ def gated_norm_gemv(
         BLOCK_N=tile.block_n,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **pdl_kwargs(x, "gemv"),
+        **pdl_kwargs(x, "gemv.gated_norm"),
     )
     return out
 

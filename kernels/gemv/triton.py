@@ -157,7 +157,7 @@ def gemv(
         PREC=prec,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **pdl_kwargs(x, "gemv"),
+        **pdl_kwargs(x, "gemv.gemv"),
     )
     return out
 

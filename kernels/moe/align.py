@@ -96,7 +96,7 @@ def moe_align_triton(ids: torch.Tensor, num_experts: int, block: int | None = No
         TOP_K=ids.shape[1],
         BLOCK=blk,
         num_warps=num_warps,
-        **pdl_kwargs(flat, "moe"),
+        **pdl_kwargs(flat, "moe.align"),
     )
     return MoEAlign(order=order, token=token, offsets=ends, position=position)
 
@@ -177,10 +177,12 @@ def moe_align_blocks(ids: torch.Tensor, num_experts: int, block: int = 2048, num
     counts = torch.empty(nb, num_experts, dtype=torch.int32, device=dev)
     shift = torch.empty_like(counts)
     meta = dict(E=num_experts, BLOCK=block, num_warps=num_warps)
-    _block_counts_kernel[(nb,)](flat, counts, n, **meta, **pdl_kwargs(flat, "moe"))
-    _block_rows_kernel[(1,)](counts, shift, ends, nb, E=num_experts, num_warps=num_warps, **pdl_kwargs(flat, "moe"))
+    _block_counts_kernel[(nb,)](flat, counts, n, **meta, **pdl_kwargs(flat, "moe.block_counts"))
+    _block_rows_kernel[(1,)](
+        counts, shift, ends, nb, E=num_experts, num_warps=num_warps, **pdl_kwargs(flat, "moe.block_rows")
+    )
     _block_place_kernel[(nb,)](
-        flat, shift, order, token, position, n, TOP_K=ids.shape[1], **meta, **pdl_kwargs(flat, "moe")
+        flat, shift, order, token, position, n, TOP_K=ids.shape[1], **meta, **pdl_kwargs(flat, "moe.block_place")
     )
     return MoEAlign(order=order, token=token, offsets=ends, position=position)
 

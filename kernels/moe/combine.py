@@ -91,7 +91,7 @@ def moe_combine_triton(
         HAS_ADD=add is not None,
         PAIR_ORDER=rows is None,
         BLOCK_H=block_h,
-        **pdl_kwargs(y, "moe"),
+        **pdl_kwargs(y, "moe.combine"),
     )
     return out
 

@@ -220,11 +220,11 @@ def moe_experts_decode(
     blocks.update(COMPACT=compact, PAIR_ROWS=al is None)
     _gate_up_kernel[(grid0, triton.cdiv(i, block_n))](
         x, token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
-        a.stride(0), **blocks, num_warps=num_warps, **pdl_kwargs(x, "moe"),
+        a.stride(0), **blocks, num_warps=num_warps, **pdl_kwargs(x, "moe.gate_up"),
     )  # fmt: skip
     _down_kernel[(grid0, triton.cdiv(h, block_n))](
         a, ends, pairs, pos, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks,
-        num_warps=num_warps, **pdl_kwargs(x, "moe"),
+        num_warps=num_warps, **pdl_kwargs(x, "moe.down"),
     )  # fmt: skip
     return y
 

@@ -95,7 +95,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
         DOT_F32=dot_f32,
         PREC=prec,
         num_warps=4,
-        **pdl_kwargs(x, "moe"),
+        **pdl_kwargs(x, "moe.router_partials"),
     )
     return out
 

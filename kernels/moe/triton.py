@@ -138,7 +138,7 @@ def sigmoid_topk_route_triton(
         BLOCK_E=block_e,
         BLOCK_K=next_pow2(out_k),
         num_warps=4,
-        **pdl_kwargs(weights, "moe"),
+        **pdl_kwargs(weights, "moe.route"),
     )
     return weights, ids
 

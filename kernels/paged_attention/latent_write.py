@@ -87,7 +87,7 @@ def write_mla_latent_triton(
         BLOCK_R=next_pow2(kv_lora_rank),
         BLOCK_ROPE=next_pow2(max(rope, 1)),
         num_warps=4,
-        **pdl_kwargs(cache, "attention"),
+        **pdl_kwargs(cache, "attention.latent_write"),
     )
 
 

@@ -265,7 +265,7 @@ def mla_decode_fwd(
         PREC=prec,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_kwargs(q_lat, "attention"),
+        **pdl_kwargs(q_lat, "attention.mla_decode"),
     )
     split.merge(out)
     return out

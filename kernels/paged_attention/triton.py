@@ -280,7 +280,7 @@ class SplitOutputs:
             DV=dv,
             BLOCK_DV=next_pow2(dv),
             num_warps=4,
-            **pdl_kwargs(out, "attention"),
+            **pdl_kwargs(out, "attention.merge_splits"),
         )
 
 
@@ -431,7 +431,7 @@ def attention_fwd(
         PREC=prec,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_kwargs(q_a, "attention"),
+        **pdl_kwargs(q_a, "attention.paged_attn"),
     )
     split.merge(out)
     return out

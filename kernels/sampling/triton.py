@@ -65,9 +65,17 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     vals = torch.empty(s, n_chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(s, n_chunks, dtype=torch.int32, device=logits.device)
     _chunk_max_kernel[(s, n_chunks)](
-        logits, vals, idx, v, logits.stride(0), n_chunks, BLOCK=BLOCK, num_warps=4, **pdl_kwargs(logits, "sampling")
+        logits,
+        vals,
+        idx,
+        v,
+        logits.stride(0),
+        n_chunks,
+        BLOCK=BLOCK,
+        num_warps=4,
+        **pdl_kwargs(logits, "sampling.chunk_max"),
     )
     _row_argmax_kernel[(s,)](
-        vals, idx, out, n_chunks, CHUNKS=next_pow2(n_chunks), num_warps=1, **pdl_kwargs(logits, "sampling")
+        vals, idx, out, n_chunks, CHUNKS=next_pow2(n_chunks), num_warps=1, **pdl_kwargs(logits, "sampling.row_argmax")
     )
     return out

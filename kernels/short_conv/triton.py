@@ -243,10 +243,12 @@ def short_conv_update(
     meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tl_.num_warps)
     one = n_chunks == 1
     grid = (n, triton.cdiv(c, block_c), n_chunks)
-    _short_conv_kernel[grid](*args, t_chunk, n_chunks, CONV=True, WRITE_STATE=one, **meta, **pdl_kwargs(x, "conv"))
+    _short_conv_kernel[grid](
+        *args, t_chunk, n_chunks, CONV=True, WRITE_STATE=one, **meta, **pdl_kwargs(x, "conv.short_conv")
+    )
     if not one:  # every chunk has read the old window: now the states
         _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
-            *args, t_chunk, 1, CONV=False, WRITE_STATE=True, **meta, **pdl_kwargs(x, "conv")
+            *args, t_chunk, 1, CONV=False, WRITE_STATE=True, **meta, **pdl_kwargs(x, "conv.short_conv")
         )
     return out
 
@@ -271,7 +273,7 @@ def write_windows(
     args += (x.stride(0), x.stride(0), 0, c, conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=False, HAS_ACC=False, BLOCK_C=block_c, BLOCK_T=1, BLOCK_S=next_pow2(max(s, kw - 1)))
     _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
-        *args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4, **pdl_kwargs(x, "conv")
+        *args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4, **pdl_kwargs(x, "conv.short_conv")
     )
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,35 +38,64 @@ def test_off_by_default(monkeypatch):
     monkeypatch.delenv("TANDEM_PDL", raising=False)
     pdl._switch.cache_clear()
     try:
-        assert pdl.use_pdl(torch.zeros(2, device=DEVICE), "gemv") is False
+        assert pdl.use_pdl(torch.zeros(2, device=DEVICE), "gemv.gemv") is False
     finally:
         pdl._switch.cache_clear()
 
 
 def test_off_the_gpu_and_when_switched_off(pdl_switch):
     cpu = torch.zeros(2)
-    assert pdl.use_pdl(cpu, "gemv") is False
-    assert pdl.pdl_kwargs(cpu, "moe") == {"USE_PDL": False, "launch_pdl": False}
+    assert pdl.use_pdl(cpu, "gemv.gemv") is False
+    assert pdl.pdl_kwargs(cpu, "moe.route") == {"USE_PDL": False, "launch_pdl": False}
     pdl_switch("0")
-    assert pdl.use_pdl(torch.zeros(2, device=DEVICE), "gemv") is False
+    assert pdl.use_pdl(torch.zeros(2, device=DEVICE), "gemv.gemv") is False
 
 
 def test_bad_switch_names_the_variable(pdl_switch):
     pdl_switch("yes")
-    with pytest.raises(ValueError, match=r"TANDEM_PDL must be 0, 1 or a comma list of gemv, moe.*got 'yes'"):
-        pdl.use_pdl(torch.zeros(2), "gemv")
+    with pytest.raises(ValueError, match=r"TANDEM_PDL must be 0, 1 or a comma list of families \(gemv, moe.*got 'yes'"):
+        pdl.use_pdl(torch.zeros(2), "gemv.gemv")
+    pdl_switch("gemv,moe.nope")
+    with pytest.raises(ValueError, match="TANDEM_PDL must be"):
+        pdl.use_pdl(torch.zeros(2), "gemv.gemv")
     pdl_switch("gemv,moe")
-    with pytest.raises(ValueError, match="unknown PDL kernel family 'norm'"):
-        pdl.use_pdl(torch.zeros(2), "norm")
+    with pytest.raises(ValueError, match=r"unknown PDL launch site 'norm\.rms'"):
+        pdl.use_pdl(torch.zeros(2), "norm.rms")
+    with pytest.raises(ValueError, match="unknown PDL launch site 'gemv'"):  # a family is not a site
+        pdl.use_pdl(torch.zeros(2), "gemv")
 
 
 def test_a_family_list_switches_on_those_families(pdl_switch):
-    pdl_switch(" moe , gemv")
-    assert pdl._switch() == {"moe", "gemv"}
+    pdl_switch(" moe , gemv, sampling.row_argmax")
+    assert pdl._switch() == {"moe", "gemv", "sampling.row_argmax"}
     pdl_switch("1")
     assert pdl._switch() == set(pdl.FAMILIES)
     pdl_switch("0")
     assert pdl._switch() == set()
+
+
+def test_a_site_switches_on_that_launch_only_and_a_family_all_of_its_own(pdl_switch):
+    pdl_switch("moe.align,sampling")
+    assert pdl.switched_on("moe.align") and not pdl.switched_on("moe.combine")
+    assert pdl.switched_on("sampling.chunk_max") and pdl.switched_on("sampling.row_argmax")
+    assert not pdl.switched_on("gemv.gemv")
+    pdl_switch("1")
+    assert all(pdl.switched_on(f"{f}.{k}") for f, ks in pdl.SITES.items() for k in ks)
+    pdl_switch("0")
+    assert not any(pdl.switched_on(f"{f}.{k}") for f, ks in pdl.SITES.items() for k in ks)
+
+
+def test_every_launch_site_is_registered_and_every_registered_site_launches():
+    """kernels.pdl.SITES is what TANDEM_PDL and bench/pdl_check.py bisect over: it must list exactly the sites
+    the kernels pass to pdl_kwargs."""
+    root = Path(pdl.__file__).parent
+    used = {
+        m.group(1)
+        for path in root.rglob("*.py")
+        for m in re.finditer(r'pdl_kwargs\([^()]*?,\s*"([a-z_]+\.[a-z_]+)"\)', path.read_text())
+    }
+    registered = {f"{f}.{k}" for f, ks in pdl.SITES.items() for k in ks}
+    assert used == registered, (sorted(used - registered), sorted(registered - used))
 
 
 def _chain(x: torch.Tensor, weights: list[torch.Tensor], router: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -87,10 +118,10 @@ def test_chain_is_bit_equal_with_and_without_pdl(pdl_switch):
     xs = [torch.randn(1, dims[0], device="cuda", generator=gen).bfloat16() for _ in range(4)]
 
     pdl_switch("0")
-    assert not pdl.use_pdl(xs[0], "gemv")
+    assert not pdl.use_pdl(xs[0], "gemv.gemv")
     expected = [_chain(x, weights, router) for x in xs]
     pdl_switch("1")
-    assert pdl.use_pdl(xs[0], "gemv") and pdl.use_pdl(xs[0], "moe")
+    assert pdl.use_pdl(xs[0], "gemv.gemv") and pdl.use_pdl(xs[0], "moe.route")
     for x, want in zip(xs, expected, strict=True):
         for got, ref in zip(_chain(x, weights, router), want, strict=True):
             assert torch.equal(got, ref)
