@@ -53,8 +53,9 @@
 #   bash bench/gpu_session.sh gemv           # 1 x H200: the skinny GEMM's tests, its tile sweep against cuBLAS at the
 #                                            # mid shapes (bench/gemv_sweep.py), then decode b1 with TANDEM_GEMV=1 / 0
 #   bash bench/gpu_session.sh one-row        # 1 x H200: the MoE pair-row tests, the 2,048-token agreement with every
-#                                            # decode step one row (the skinny GEMM, KDA's norm inside o_proj, the MoE
-#                                            # without its align), then b1 TANDEM_GEMV=1 / 0 and TANDEM_MOE_PAIR_ROWS=0
+#                                            # decode step one row (the skinny GEMM, the norms inside the projections,
+#                                            # the MoE without its align), then b1 TANDEM_GEMV=1 / 0,
+#                                            # TANDEM_MOE_PAIR_ROWS=0 and TANDEM_GEMV_ADD_NORM=0
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -145,14 +146,15 @@ case "$step" in
     python -m bench.gemv_sweep --out "$OUT/gemv_sweep.json" | tee "$OUT/gemv_sweep.txt"
     for v in 1 0; do TANDEM_GEMV=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
       --out "$OUT/decode_timeline_b1_gemv$v.json" 2>&1 | grep "a step"; done ;;
-  one-row) python -m pytest -q tests/kernels/test_moe.py -k "pair_rows or decode_experts or combine" 2>&1 | tail -3 \
+  one-row) python -m pytest -q tests/kernels/test_gemv_add_norm.py tests/kernels/test_moe.py \
+      -k "add_norm or mid_shapes or pair_rows or decode_experts or combine" 2>&1 | tail -3 \
       | tee "$OUT/gpu_tests_one_row.txt"
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time \
       2>&1 | grep -v -i warn | tee "$OUT/agreement_one_row.txt"
     for v in 1 0; do TANDEM_GEMV=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
       --out "$OUT/decode_timeline_b1_gemv$v.json" 2>&1 | grep "a step"; done
-    TANDEM_MOE_PAIR_ROWS=0 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
-      --out "$OUT/decode_timeline_b1_pair_rows0.json" 2>&1 | grep "a step" ;;
+    for v in TANDEM_MOE_PAIR_ROWS TANDEM_GEMV_ADD_NORM; do env $v=0 python -m bench.decode_timeline --ctx 4096 32768 \
+      --batches 1 --steps 30 --out "$OUT/decode_timeline_b1_${v}_0.json" 2>&1 | grep "a step"; done ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \

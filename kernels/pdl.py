@@ -38,7 +38,7 @@ import triton.language as tl
 from kernels.triton_utils import is_interpreting
 
 SITES = {
-    "gemv": ("gemv", "gated_norm"),
+    "gemv": ("gemv", "gated_norm", "add_norm"),
     "moe": (
         "router_partials",
         "route",

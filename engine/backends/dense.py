@@ -22,6 +22,19 @@ class TorchDense:
         None means it does not: the caller runs the norm, then ``linear``."""
         return None
 
+    def add_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A pre-norm layer's input: (rms_norm(x + residual) @ weight^T, x + residual) in one launch where this
+        backend fuses them (residual None: x is the whole input); None means it does not: the caller runs the
+        norm, then ``linear``."""
+        return None
+
 
 DENSE_GEMV_MAX_ROWS = 1
 """Rows up to which the projections take the skinny GEMM. ``bench/gemv_sweep.py`` on the H200: at one row it beat
@@ -33,7 +46,8 @@ class TritonDense(TorchDense):
     """kernels/gemv for 2-D x of 1..``max_rows`` rows on CUDA (and on the host under TRITON_INTERPRET=1);
     everything else, longer steps included, through ``F.linear``."""
 
-    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS) -> None:
+    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS, add_norm: bool = True) -> None:
+        from kernels.gemv.add_norm import add_norm_gemv, add_norm_gemv_fits
         from kernels.gemv.gated_norm import gated_norm_gemv, gated_norm_gemv_fits
         from kernels.gemv.triton import GEMV_MAX_ROWS, gemv
         from kernels.triton_utils import is_interpreting
@@ -41,8 +55,10 @@ class TritonDense(TorchDense):
         if not 0 <= max_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"max_rows must be in 0..{GEMV_MAX_ROWS}, got {max_rows}")
         self.max_rows = max_rows
+        self.add_norm = add_norm
         self._gemv = gemv
         self._gated_norm_gemv, self._gated_fits = gated_norm_gemv, gated_norm_gemv_fits
+        self._add_norm_gemv, self._add_norm_fits = add_norm_gemv, add_norm_gemv_fits
         self._is_interpreting = is_interpreting
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -61,13 +77,32 @@ class TritonDense(TorchDense):
             return None
         return self._gated_norm_gemv(x, gate, norm_weight, eps, weight)
 
+    def add_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One-row steps (``max_rows`` >= 1): kernels/gemv/add_norm.py, the norm inside the GEMV's loads."""
+        if not self.add_norm or self.max_rows < 1 or not (x.is_cuda or self._is_interpreting()):
+            return None
+        if not self._add_norm_fits(x, residual, weight) or norm_weight.shape != (x.shape[-1],):
+            return None
+        return self._add_norm_gemv(x, residual, norm_weight, eps, weight)
+
 
 def gpu_dense_backend() -> TorchDense:
-    """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM for one-row steps, ``0`` cuBLAS for every projection."""
+    """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM for one-row steps, ``0`` cuBLAS for every projection.
+    ``TANDEM_GEMV_ADD_NORM``: ``1`` (default) each layer's input norm inside its first projection at one row, ``0``
+    the norm's own launch (for A / B runs)."""
     choice = os.environ.get("TANDEM_GEMV", "1").strip()
-    if choice not in ("0", "1"):
-        raise ValueError(f"TANDEM_GEMV must be 0 or 1, got {choice!r}")
-    return TritonDense() if choice == "1" else TorchDense()
+    add_norm = os.environ.get("TANDEM_GEMV_ADD_NORM", "1").strip()
+    for name, value in (("TANDEM_GEMV", choice), ("TANDEM_GEMV_ADD_NORM", add_norm)):
+        if value not in ("0", "1"):
+            raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return TritonDense(add_norm=add_norm == "1") if choice == "1" else TorchDense()
 
 
 __all__ = ["DENSE_GEMV_MAX_ROWS", "TorchDense", "TritonDense", "gpu_dense_backend"]

@@ -75,14 +75,24 @@ class KimiDeltaAttention(nn.Module):
             return self._conv_packed
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)], dim=0)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
-        return be.kda.run_mixer(lambda xs, bs: self._mix(xs, bs, cache, be), x, batch)
+    def input_weight(self, rows: int) -> torch.Tensor | None:
+        """in_proj's packed weight, which ``forward(projected=True)`` takes the input through (PreNormDecoderLayer)."""
+        return self.in_proj.weight if self.in_proj is not None and self.fg_b is not None else None
 
-    def _mix(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, projected: bool = False
+    ) -> torch.Tensor:
+        """x [T, hidden], or with ``projected`` x already through in_proj ([T, 3P + 2K + H]: ``input_weight``)."""
+        return be.kda.run_mixer(lambda xs, bs: self._mix(xs, bs, cache, be, projected), x, batch)
+
+    def _mix(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, projected: bool = False
+    ) -> torch.Tensor:
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
-            qkv, fg_a, b = self.in_proj(x, be).split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
+            packed = x if projected else self.in_proj(x, be)
+            qkv, fg_a, b = packed.split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
             # [2, T, K] (a strided view: cuBLAS reads it in place) @ [2, K, P] -> g_raw | the output gate
             g_raw, out_gate = torch.bmm(fg_a.view(t, 2, hd).transpose(0, 1), self.fg_b.transpose(1, 2))
         else:
@@ -138,9 +148,19 @@ class KimiMLAAttention(nn.Module):
         if cudnn_self_attention_usable(w.dtype, w.device, d.qk_nope_head_dim + d.qk_rope_head_dim, d.v_head_dim):
             keys_values_weight(w, self.num_heads, d.qk_rope_head_dim, d.qk_nope_head_dim, d.v_head_dim, w.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+    def input_weight(self, rows: int) -> torch.Tensor | None:
+        """q | kv_a's packed weight at steps that take it, which ``forward(projected=True)`` takes the input through
+        (PreNormDecoderLayer)."""
+        return self.q_kv_a.weight if self.q_kv_a is not None and rows <= PACKED_QKV_A_MAX_ROWS else None
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, projected: bool = False
+    ) -> torch.Tensor:
+        """x [T, hidden], or with ``projected`` x already through q | kv_a (``input_weight``)."""
         t = x.shape[0]
-        if self.q_kv_a is not None and t <= PACKED_QKV_A_MAX_ROWS:
+        if projected:
+            q, kv_a = x.split(self.q_kv_a.sizes, dim=-1)
+        elif self.q_kv_a is not None and t <= PACKED_QKV_A_MAX_ROWS:
             q, kv_a = self.q_kv_a(x, be).split(self.q_kv_a.sizes, dim=-1)  # column views of one GEMM's output
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
@@ -230,6 +250,16 @@ class KimiDecoderLayer(PreNormDecoderLayer):
 
     def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
         return self.block_sparse_moe(x, be) if self.is_moe else self.mlp(x, be)
+
+    def attention_input_weight(self, rows: int) -> torch.Tensor | None:
+        return self.self_attn.input_weight(rows)
+
+    def mlp_input_weight(self, rows: int) -> torch.Tensor | None:
+        """The dense MLP's packed gate | up (a MoE block's input has several consumers: the router, the experts)."""
+        return None if self.is_moe or self.mlp.gate_up is None else self.mlp.gate_up.weight
+
+    def feed_forward_projected(self, projected: torch.Tensor, be: Backends) -> torch.Tensor:
+        return self.mlp.from_gate_up(projected, be)
 
 
 class KimiLinearForCausalLM(CausalLM):

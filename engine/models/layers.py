@@ -51,18 +51,48 @@ class PreNormDecoderLayer(nn.Module):
     def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
         raise NotImplementedError
 
+    def attention_input_weight(self, rows: int) -> torch.Tensor | None:
+        """The weight of the attention's first projection at a step of ``rows`` rows when the attention can take its
+        input already through it (``self_attn(..., projected=True)``), so the dense backend may run the input norm
+        inside that projection (``add_norm_linear``); None: it takes the normed input."""
+        return None
+
+    def mlp_input_weight(self, rows: int) -> torch.Tensor | None:
+        """The same for the MLP (``feed_forward_projected``)."""
+        return None
+
+    def feed_forward_projected(self, projected: torch.Tensor, be: Backends) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: CacheTensors, be: Backends
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the previous layer's MLP output, the residual sum before it) -> this layer's pair; the layer's
         output is their sum (``layer_output``). residual None: ``h`` is the whole input (the embeddings, or a
         pipeline stage's received hidden states)."""
-        if residual is None:
-            x, residual = self.input_layernorm(h, be), h
+        fused = _norm_in_projection(self.input_layernorm, h, residual, self.attention_input_weight(h.shape[0]), be)
+        if fused is not None:  # one-row GPU steps: the norm inside the first projection's launch
+            projected, residual = fused
+            h = self.self_attn(projected, batch, cache, be, projected=True)
         else:
-            x, residual = self.input_layernorm.add(h, residual, be)
-        x, residual = self.post_attention_layernorm.add(self.self_attn(x, batch, cache, be), residual, be)
+            if residual is None:
+                x, residual = self.input_layernorm(h, be), h
+            else:
+                x, residual = self.input_layernorm.add(h, residual, be)
+            h = self.self_attn(x, batch, cache, be)
+        fused = _norm_in_projection(self.post_attention_layernorm, h, residual, self.mlp_input_weight(h.shape[0]), be)
+        if fused is not None:
+            projected, residual = fused
+            return self.feed_forward_projected(projected, be), residual
+        x, residual = self.post_attention_layernorm.add(h, residual, be)
         return self.feed_forward(x, be), residual
+
+
+def _norm_in_projection(
+    norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, be: Backends
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(norm(h + residual) @ weight^T, h + residual) in one launch where the dense backend fuses them, else None."""
+    return None if weight is None else be.dense.add_norm_linear(h, residual, norm.weight, norm.eps, weight)
 
 
 def layer_output(h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -158,9 +188,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x, be).split(self.gate_up.sizes, dim=-1)
-            return project(silu_mul(gate, up), self.down_proj.weight, be)
+            return self.from_gate_up(self.gate_up(x, be), be)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def from_gate_up(self, gate_up: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
+        """The rest of the MLP from the packed gate | up projection's output [T, 2I] (``pack_weights``)."""
+        gate, up = gate_up.split(self.gate_up.sizes, dim=-1)
+        return project(silu_mul(gate, up), self.down_proj.weight, be)
 
 
 class RotaryEmbedding(nn.Module):

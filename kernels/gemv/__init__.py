@@ -1,9 +1,10 @@
 """Skinny GEMM (GEMV) for decode-sized steps: y = x @ W^T with few rows of x. ``gemv`` (Triton) loads lazily."""
 
-from kernels.gemv.naive import naive_gated_norm_gemv, naive_gemv
+from kernels.gemv.naive import naive_add_norm_gemv, naive_gated_norm_gemv, naive_gemv
 
 _TRITON = ("gemv", "gemv_tile", "GemvTile", "GEMV_MAX_ROWS")
 _GATED = ("gated_norm_gemv", "gated_norm_gemv_fits")
+_ADD_NORM = ("add_norm_gemv", "add_norm_gemv_fits")
 
 
 def __getattr__(name: str):
@@ -15,16 +16,23 @@ def __getattr__(name: str):
         from kernels.gemv import gated_norm as _gated
 
         return getattr(_gated, name)
+    if name in _ADD_NORM:
+        from kernels.gemv import add_norm as _add_norm
+
+        return getattr(_add_norm, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "GEMV_MAX_ROWS",
     "GemvTile",
+    "add_norm_gemv",
+    "add_norm_gemv_fits",
     "gated_norm_gemv",
     "gated_norm_gemv_fits",
     "gemv",
     "gemv_tile",
+    "naive_add_norm_gemv",
     "naive_gated_norm_gemv",
     "naive_gemv",
 ]

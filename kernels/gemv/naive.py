@@ -27,3 +27,20 @@ def naive_gated_norm_gemv(
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = norm_weight.float() * normed * torch.sigmoid(gate.float().view(m, k // d, d))
     return naive_gemv(y.to(x.dtype).view(m, k), weight)
+
+
+def naive_add_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm layer's input norm, then its first projection, as two steps (fla's fused add + RMS norm, then
+    ``naive_gemv``): s = x + residual in fp32 (x alone without one), RMS-normed over the row, times the norm's
+    weight, rounded to x's dtype (what the norm stores), then @ weight [N, K]^T. Returns (y [M, N], the residual
+    sum rounded to x's dtype — x itself when there is no residual)."""
+    if x.ndim != 2 or (residual is not None and residual.shape != x.shape) or norm_weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"x [M, K], residual like x, norm_weight [K]; got {tuple(x.shape)}, "
+            f"{None if residual is None else tuple(residual.shape)}, {tuple(norm_weight.shape)}"
+        )
+    s = x.float() if residual is None else x.float() + residual.float()
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return naive_gemv(normed.to(x.dtype), weight), (x if residual is None else s.to(x.dtype))

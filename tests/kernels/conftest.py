@@ -42,6 +42,7 @@ TRITON_MODULES = (
     "kernels.flashmla.plan",
     "kernels.gemv.triton",
     "kernels.gemv.gated_norm",
+    "kernels.gemv.add_norm",
     "kernels.paged_attention.latent_write",
     "kernels.paged_attention.mla_decode",
     "kernels.paged_attention.triton",

@@ -90,8 +90,9 @@ def _record_decode_logits(eng) -> list:
 @pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_agreement.py covers the GPU")
 def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
     """Prompts decoded alone, so every decode step is one row: the dense projections take kernels/gemv, KDA's
-    output norm runs inside its projection (kernels/gemv/gated_norm.py) and the MoE experts take their pair rows
-    (no align). Tokens and logits as the reference's."""
+    output norm runs inside its projection (kernels/gemv/gated_norm.py), each layer's input norm inside its first
+    projection (kernels/gemv/add_norm.py) and the MoE experts take their pair rows (no align). Tokens and logits as
+    the reference's."""
     import engine.backends.gpu as gpu_backend
     from engine.backends.dense import TritonDense
 
@@ -102,11 +103,12 @@ def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
         lambda x, al, *a, **k: layouts.append((x.shape[0], al is None)) or experts_decode(x, al, *a, **k),
     )
 
-    calls = {"gemv": 0, "gated": 0}
+    calls = {"gemv": 0, "gated": 0, "add_norm": 0}
     dense = TritonDense()
-    gemv, gated = dense._gemv, dense._gated_norm_gemv
+    gemv, gated, add_norm = dense._gemv, dense._gated_norm_gemv, dense._add_norm_gemv
     dense._gemv = lambda *a, **k: calls.__setitem__("gemv", calls["gemv"] + 1) or gemv(*a, **k)
     dense._gated_norm_gemv = lambda *a, **k: calls.__setitem__("gated", calls["gated"] + 1) or gated(*a, **k)
+    dense._add_norm_gemv = lambda *a, **k: calls.__setitem__("add_norm", calls["add_norm"] + 1) or add_norm(*a, **k)
     prompts = random_prompts(2, [40, 11], seed=9)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     ref = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=512)
@@ -116,7 +118,7 @@ def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
     ref_logits, got_logits = _record_decode_logits(ref), _record_decode_logits(eng)
     for p in prompts:
         assert eng.generate([p], params)[0].output_token_ids == ref.generate([p], params)[0].output_token_ids
-    assert calls["gated"] > 0 and calls["gemv"] > calls["gated"], calls
+    assert calls["gated"] > 0 and calls["gemv"] > 0 and calls["add_norm"] > calls["gated"], calls
     assert (1, True) in layouts and (1, False) not in layouts, layouts  # one row: always the pair rows
     assert len(got_logits) >= len(ref_logits) == 2 * (params.max_tokens - 1)
     for want, have in zip(ref_logits, got_logits, strict=False):
