@@ -39,17 +39,22 @@ def _expert_of_program(ENDS, IDS, POS, COMPACT: tl.constexpr, PAIR_ROWS: tl.cons
     256 x columns programs launched). Compact: one program per (token, slot) pair, which takes its pair's expert
     only when it is that expert's first pair in sorted order, so every expert with rows is taken once and the
     grid is min(T*k, E) wide. Pair rows: one program per pair, row = pair, no sorted layout (one token)."""
+    # one return: Triton's code generator also types the statements after a return inside a constexpr branch, so
+    # an early return there must agree with them (pair rows pass int64 ids as ENDS, which is not read)
     slot = tl.program_id(0)
     if PAIR_ROWS:
-        return tl.load(IDS + slot).to(tl.int32), slot, slot + 1
-    if COMPACT:
         e = tl.load(IDS + slot).to(tl.int32)
+        start = slot
+        end = slot + 1
     else:
-        e = slot
-    start = tl.load(ENDS + e - 1, mask=e > 0, other=0)
-    end = tl.load(ENDS + e)
-    if COMPACT:
-        start = tl.where(tl.load(POS + slot) == start, start, -1)
+        if COMPACT:
+            e = tl.load(IDS + slot).to(tl.int32)
+        else:
+            e = slot
+        start = tl.load(ENDS + e - 1, mask=e > 0, other=0).to(tl.int32)
+        end = tl.load(ENDS + e).to(tl.int32)
+        if COMPACT:
+            start = tl.where(tl.load(POS + slot) == start, start, -1)
     return e, start, end
 
 
