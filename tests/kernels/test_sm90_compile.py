@@ -53,6 +53,33 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     assert compile_errors(launches) == []
 
 
+def test_gpu_only_decode_kernels_compile_for_the_h200():
+    """The decode kernels the host engine does not launch (greedy argmax on the device, FlashMLA's split plan, the
+    router GEMV, the split-key merge, the block align of long steps), called directly in bf16 and fp32."""
+    from kernels.flashmla.plan import even_blocks_plan
+    from kernels.moe.align import moe_align_blocks
+    from kernels.moe.router import router_partials
+    from kernels.paged_attention.triton import paged_gqa_attention_triton
+    from kernels.sampling.triton import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    with record_launches() as seen:
+        for dtype in (torch.float32, torch.bfloat16):
+            argmax_rows(torch.randn(3, 1000, generator=g).to(dtype))
+            router_partials(torch.randn(1, 256, generator=g).to(dtype), torch.randn(64, 256, generator=g).to(dtype))
+        even_blocks_plan(torch.tensor([4096, 70], dtype=torch.int32), 16, 16, 4)
+        moe_align_blocks(torch.randint(0, 16, (40, 8), generator=g), 16, block=64)
+        kv = torch.randn(8, 64, 2, 2, 32, generator=g)  # pages of 64, K | V, 2 KV heads of 32
+        tables = [torch.arange(5), torch.arange(5, 6)]
+        paged_gqa_attention_triton(torch.randn(2, 4, 32, generator=g), kv, [0, 1, 2], [300, 40], tables, 0.2, 2)
+    launches = _ours(seen)
+    kernels = {x.kernel for x in launches}
+    want = {"_chunk_max_kernel", "_row_argmax_kernel", "_router_partials_kernel", "_even_blocks_plan_kernel"}
+    want |= {"_block_counts_kernel", "_block_rows_kernel", "_block_place_kernel", "_merge_splits_kernel"}
+    assert want <= kernels, sorted(want - kernels)
+    assert compile_errors(launches) == []
+
+
 def test_a_kernel_that_does_not_compile_is_reported():
     """The check fails where the GPU would: the twenty-sixth session's pair-row helper, whose constexpr branch
     returned int32 rows before the int64 loads below it, passed the interpreter and failed to compile on the H200."""
