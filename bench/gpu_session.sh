@@ -79,6 +79,7 @@
 # reused while the machine stays warm (the first command of a machine writes them: ~1-2 min for Kimi mid).
 set -euo pipefail
 export PYTHONPATH="/tmp/site:${PWD}${PYTHONPATH:+:$PYTHONPATH}"
+export TANDEM_KERNEL_FALLBACK=0  # a failed fast path raises: never time a fallback as the fast path (engine/backends/fallback.py)
 export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across processes (Triton >= 3.2)
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"

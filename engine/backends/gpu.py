@@ -9,12 +9,12 @@ Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from engine.backends.base import AttentionBackend, MLADims, MoEBackend
+from engine.backends.fallback import fall_back
 from engine.backends.gpu_kda import GPUKDABackend, gpu_kda_backend
 from engine.backends.gpu_static import static_attn_meta, static_mla_parts
 from engine.backends.norm import TorchNormBackend
@@ -39,8 +39,6 @@ from kernels.triton_utils import is_interpreting
 ROUTER_GEMV_MAX_ROWS = 16
 """Steps of at most this many rows may take the split-K router (``GPUMoEBackend.router_logits``)."""
 FLASHMLA_SHARED_PLAN = os.environ.get("TANDEM_FLASHMLA_SHARED_PLAN", "1") != "0"
-
-logger = logging.getLogger(__name__)
 
 
 def _kv_write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -263,7 +261,7 @@ class GPUMoEBackend(MoEBackend):
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # e.g. a compile failure on an untried GPU: the grouped path, for good
                 self._decode_failed = True
-                logger.warning("MoE decode kernels failed (%s); decode steps use the grouped path", err)
+                fall_back("MoE decode kernels", "decode steps use the grouped path", err)
         if w13 is not None and pairs > DECODE_MAX_PAIRS and self._prefill_path(x):
             try:
                 al = moe_align_auto(ids, w13.shape[0])
@@ -272,7 +270,7 @@ class GPUMoEBackend(MoEBackend):
                 return moe_combine_auto(y, al.rows_of_pairs(), weights, x.dtype, add)
             except Exception as err:  # as above: the grouped path, for good
                 self._prefill_failed = True
-                logger.warning("MoE prefill kernels failed (%s); long steps use the grouped path", err)
+                fall_back("MoE prefill kernels", "long steps use the grouped path", err)
         y = grouped_moe(
             x, weights, ids, w1, w3, w2, impl=self.experts_impl, w13=w13, align=moe_align_auto, combine=moe_combine_auto
         )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engine.backends.base import KDABackend
+from engine.backends.fallback import fall_back
 from engine.backends.gpu_static import KDADecodeStep
 from engine.backends.kda_step import KDAStep, q_lens_of
 from engine.backends.per_step import PerStep
@@ -170,7 +171,7 @@ class GPUKDABackend(KDABackend):
                 return short_conv_prefill_fla(x, weight.contiguous(), conv_cache, step, planes=planes)
             except Exception as err:  # e.g. an fla build that refuses this GPU: the slot kernel, for good
                 self._fla_conv_failed = True
-                logger.warning("fla causal_conv1d failed (%s); prefill short conv uses the slot kernel", err)
+                fall_back("fla causal_conv1d", "prefill short conv uses the slot kernel", err)
         w = weight.contiguous()
         return short_conv_update(x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.fallback import fall_back
 from engine.backends.norm import TorchNormBackend
 from kernels.activation import silu_mul
 
@@ -16,8 +16,6 @@ if TYPE_CHECKING:
     from engine.backends import Backends
     from engine.cache.tensors import CacheTensors
     from engine.forward_batch import ForwardBatch
-
-logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -138,7 +136,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tens
             return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
         except (RuntimeError, TypeError, NotImplementedError) as err:  # no mm(out_dtype=) in this torch / device
             _MM_OUT_DTYPE_FAILED = True
-            logger.warning("torch.mm(out_dtype=float32) failed (%s); the MoE router runs HF's fp32 GEMM", err)
+            fall_back("torch.mm(out_dtype=float32)", "the MoE router runs HF's fp32 GEMM", err)
     return F.linear(x.float(), weight_fp32 if weight_fp32 is not None else weight.float())
 
 
