@@ -24,6 +24,17 @@ from kernels.triton_utils import check_device
 
 
 @triton.jit
+def _summed_block(X, R, k0, K, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(columns, their mask, x + residual in fp32) of the row's block at k0."""
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    s = tl.load(X + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s += tl.load(R + o_k, mask=m_k, other=0.0).to(tl.float32)
+    return o_k, m_k, s
+
+
+@triton.jit
 def _add_norm_gemv_kernel(
     X,  # [K]
     R,  # [K] the residual (HAS_RES)
@@ -44,13 +55,9 @@ def _add_norm_gemv_kernel(
     pid = tl.program_id(0)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        s = tl.load(X + o_k, mask=m_k, other=0.0).to(tl.float32)
-        if HAS_RES:
-            s += tl.load(R + o_k, mask=m_k, other=0.0).to(tl.float32)
-            if pid == 0:
-                tl.store(R_OUT + o_k, s.to(R_OUT.dtype.element_ty), mask=m_k)
+        o_k, m_k, s = _summed_block(X, R, k0, K, HAS_RES, BLOCK_K)
+        if HAS_RES and pid == 0:
+            tl.store(R_OUT + o_k, s.to(R_OUT.dtype.element_ty), mask=m_k)
         squares += s * s
     rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
 
@@ -59,11 +66,7 @@ def _add_norm_gemv_kernel(
     w_rows = W + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        s = tl.load(X + o_k, mask=m_k, other=0.0).to(tl.float32)
-        if HAS_RES:
-            s += tl.load(R + o_k, mask=m_k, other=0.0).to(tl.float32)
+        o_k, m_k, s = _summed_block(X, R, k0, K, HAS_RES, BLOCK_K)
         nw = tl.load(NW + o_k, mask=m_k, other=0.0).to(tl.float32)
         xn = (s * rstd * nw).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(w_rows + o_k[None, :], mask=m_k[None, :], other=0.0)
