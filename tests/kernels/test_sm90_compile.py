@@ -1,7 +1,8 @@
 """Every Triton kernel a decode step launches, compiled for the H200 on the host (tests/kernels/sm90_compile.py):
 the launches are recorded from the engine's decode through the GPU backends under the interpreter, in fp32 and
 bf16, one row (the skinny GEMMs, the norms inside them, the MoE pair rows) and batched (the sorted MoE layout,
-the split attention), then each is compiled for sm_90 as it is and with PDL on."""
+the split attention), then each is compiled for sm_90 as it is and with PDL on; and the kernels the host engine does
+not launch (device argmax, FlashMLA's plan, the prefill GEMMs, the handoff copies) through their own calls."""
 
 from __future__ import annotations
 
@@ -77,6 +78,31 @@ def test_gpu_only_decode_kernels_compile_for_the_h200():
     want = {"_chunk_max_kernel", "_row_argmax_kernel", "_router_partials_kernel", "_even_blocks_plan_kernel"}
     want |= {"_block_counts_kernel", "_block_rows_kernel", "_block_place_kernel", "_merge_splits_kernel"}
     assert want <= kernels, sorted(want - kernels)
+    assert compile_errors(launches) == []
+
+
+def test_prefill_and_handoff_kernels_compile_for_the_h200():
+    """The long-step kernels (the MoE prefill GEMMs, the q|k|v conv planes) and the handoff / fork copies, launched
+    by their own tests' cases in bf16 (the TMA forms take descriptors: not compiled here)."""
+    from kernels.moe.prefill import GemmTiles
+    from tests.kernels import test_moe_prefill, test_page_copy, test_short_conv_planes, test_state_copy
+
+    with record_launches() as seen:
+        bf16 = torch.bfloat16
+        test_moe_prefill.test_prefill_experts_match_the_definition(37, 8, 2, 64, 32, GemmTiles(16, 16, 32), bf16)
+        test_short_conv_planes.test_planes_match_the_naive_conv_then_l2norm([300, 2, 65], [True, False, True], bf16, 16)
+        test_page_copy.test_pack_unpack_roundtrip(3, "mla", 5, 17, bf16)
+        test_state_copy.test_copy(3, [1, 2], [6, 2], [2, 1], 6, bf16)
+    launches = _ours(seen)
+    kernels = {x.kernel for x in launches}
+    want = {
+        "_gate_up_tiles_kernel",
+        "_down_tiles_kernel",
+        "_conv_planes_kernel",
+        "_page_copy_kernel",
+        "_copy_slots_kernel",
+    }
+    assert want <= kernels, sorted(kernels)
     assert compile_errors(launches) == []
 
 
