@@ -58,6 +58,9 @@
 #   bash bench/gpu_session.sh one-row-ab     # 1 x H200: decode b1 at 4k / 32k with the one-row path, then with
 #                                            # TANDEM_GEMV=0, TANDEM_MOE_PAIR_ROWS=0, TANDEM_GEMV_ADD_NORM=0 (a process
 #                                            # each; the first writes the mid checkpoint: > 150 s on a fresh machine)
+#   bash bench/gpu_session.sh moe-one-row    # 1 x H200: the MoE experts' tiles at one token, each kernel its own
+#                                            # (bench/moe_decode_sweep.py --pair-rows), then decode b1 at 4k / 32k
+#                                            # with the default tiles and with the sweep's best (two processes)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -86,7 +89,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -157,6 +160,11 @@ case "$step" in
   one-row-ab) for v in TANDEM_GEMV=1 TANDEM_GEMV=0 TANDEM_MOE_PAIR_ROWS=0 TANDEM_GEMV_ADD_NORM=0; do
       echo "== $v"; env "$v" python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
         --out "$OUT/decode_timeline_b1_${v/=/_}.json" 2>&1 | grep "a step"; done ;;
+  moe-one-row) python -m bench.moe_decode_sweep --pair-rows --out "$OUT/moe_one_row_sweep.json" \
+      --env-out "$OUT/one_row_tiles.env" 2>&1 | grep -v -i warn | tee "$OUT/moe_one_row_sweep.txt"
+    for v in "" "$(cat "$OUT/one_row_tiles.env")"; do echo "== TANDEM_MOE_ONE_ROW_TILES=$v"
+      TANDEM_MOE_ONE_ROW_TILES=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
+        --out "$OUT/decode_timeline_b1_tiles${v:+_best}.json" 2>&1 | grep "a step"; done ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \

@@ -1,6 +1,12 @@
 """Tile sweep of the decode-size MoE expert kernels (kernels/moe/decode.py) under uniform and skewed routing.
 
     python -m bench.moe_decode_sweep --out moe_decode_sweep.json      # on the GPU (~2 min of compiles)
+    python -m bench.moe_decode_sweep --pair-rows --out moe_one_row.json --env-out one_row_tiles.env
+
+``--pair-rows``: one token's experts as pair rows (a batch-1 step, kernels/moe/decode.py without its align),
+each kernel's own tiles swept with the other kernel at its default, timed per kernel over 8 sets of 9 experts
+(8 routed + the folded shared one) in turn, so no expert's weights are still in L2 from the last call. It
+prints the best pair as ``TANDEM_MOE_ONE_ROW_TILES=...`` (and writes it to ``--env-out``) for a step-time A / B.
 
 Why skewed: in the mid-shape model's decode steps (random weights) 64 tokens x top-8 hit ~95 of the 256
 experts with up to ~40 rows on one expert, and the two expert kernels stream the hit experts' weights at ~84 %
@@ -16,6 +22,7 @@ the hit experts' weights, read once). The recorded run (docs/results/moe_decode_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -26,7 +33,7 @@ import torch
 from bench.gpu_kernels_check import kernel_ms
 from bench.mid import roofline
 from kernels.moe.align import moe_align_triton
-from kernels.moe.decode import decode_tiles, moe_experts_decode
+from kernels.moe.decode import DecodeTiles, ExpertTiles, decode_tiles, moe_experts_decode
 
 E, K, HID, INTER = 256, 8, 2304, 1024
 
@@ -44,17 +51,19 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
     x = torch.randn(t, HID, generator=gen, device=device).to(torch.bfloat16)
     al = moe_align_triton(ids, E)
     nbytes = hit * 3 * HID * INTER * 2
-    default_cfg = (*decode_tiles(t), 128, 4)  # block_m, block_n, block_k, warps as moe_experts_decode picks them
-    want = moe_experts_decode(x, al, w13, w2, *default_cfg)
+    d = decode_tiles(t)
+    default_cfg = (d.block_m, d.gate_up.block_n, d.gate_up.block_k, d.gate_up.num_warps)  # as moe_experts_decode
+    want = moe_experts_decode(x, al, w13, w2, d)
     rows = []
     for bm, bn, bk, nw in itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256), (4, 8)):
         if bm * bk > 16384 or bn * bk > 16384:
             continue  # tiles past 32 KB of bf16 a load: register spills
         cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "warps": nw}
         try:
-            out = moe_experts_decode(x, al, w13, w2, bm, bn, bk, nw)
+            tiles = DecodeTiles.uniform(bm, bn, bk, nw)
+            out = moe_experts_decode(x, al, w13, w2, tiles)
             err = (out.float() - want.float()).abs().max().item()
-            ms = kernel_ms(lambda: moe_experts_decode(x, al, w13, w2, bm, bn, bk, nw))  # noqa: B023
+            ms = kernel_ms(lambda: moe_experts_decode(x, al, w13, w2, tiles))  # noqa: B023
         except Exception as exc:  # a tile this Triton cannot compile: recorded, not fatal
             rows.append({**cfg, "error": repr(exc)[:200]})
             continue
@@ -65,11 +74,76 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
     return res | {"default": default, "best": ok[:5], "rows": rows}
 
 
+def _kernel_us(fn, iters: int = 10) -> dict[str, float]:
+    """GPU microseconds a call of each kernel (by name), from the profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            us[e.name] = us.get(e.name, 0.0) + e.device_time_total / iters
+    return us
+
+
+ONE_ROW_SETS, ONE_ROW_PAIRS = 8, 9
+
+
+def sweep_pair_rows(device: torch.device, copy_bw: float, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """Each kernel's tiles at one token (pair rows), the other kernel at its default."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, HID, generator=gen, device=device).to(torch.bfloat16)
+    id_sets = [torch.randperm(E, generator=gen, device=device)[:ONE_ROW_PAIRS] for _ in range(ONE_ROW_SETS)]
+    base = decode_tiles(1)
+    want = moe_experts_decode(x, None, w13, w2, base, ids=id_sets[0])
+    nbytes = {"gate_up": ONE_ROW_PAIRS * 2 * INTER * HID * 2, "down": ONE_ROW_PAIRS * HID * INTER * 2}
+    res: dict = {"pairs": ONE_ROW_PAIRS, "default": dataclasses.asdict(base), "kernels": {}}
+    for kernel in ("gate_up", "down"):
+        rows = []
+        for bn, bk, nw in itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (2, 4, 8)):
+            if bn * bk > 16384:
+                continue  # past 32 KB of bf16 a load: register spills
+            tiles = dataclasses.replace(base, **{kernel: ExpertTiles(bn, bk, nw)})
+            cfg = {"block_n": bn, "block_k": bk, "warps": nw}
+            try:
+                out = moe_experts_decode(x, None, w13, w2, tiles, ids=id_sets[0])
+                err = (out.float() - want.float()).abs().max().item()
+                by_name = _kernel_us(lambda: [moe_experts_decode(x, None, w13, w2, tiles, ids=i) for i in id_sets])  # noqa: B023
+            except Exception as exc:  # a tile this Triton cannot compile: recorded, not fatal
+                rows.append({**cfg, "error": repr(exc)[:200]})
+                continue
+            us = sum(v for k, v in by_name.items() if f"_{kernel}_kernel" in k) / ONE_ROW_SETS
+            rows.append({**cfg, "us": us, "roofline": nbytes[kernel] / (us * 1e-6) / copy_bw, "max_abs_diff": err})
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        mine = getattr(base, kernel)
+        default = next(r for r in ok if (r["block_n"], r["block_k"], r["warps"]) == dataclasses.astuple(mine))
+        res["kernels"][kernel] = {"default": default, "best": ok[:5], "rows": rows}
+        b = ok[0]
+        print(
+            f"== T=1 pair rows, {kernel}: default {default['us']:.2f} us ({default['roofline']:.0%}); best "
+            f"{b['us']:.2f} us ({b['roofline']:.0%}) n/k/warps {b['block_n']}/{b['block_k']}/{b['warps']}, "
+            f"max diff {b['max_abs_diff']:.3g}",
+            flush=True,
+        )
+    best = {k: res["kernels"][k]["best"][0] for k in ("gate_up", "down")}
+    res["env"] = ",".join(f"{b['block_n']}/{b['block_k']}/{b['warps']}" for b in best.values())
+    print(f"TANDEM_MOE_ONE_ROW_TILES={res['env']}", flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=[64, 16])
     p.add_argument("--skews", type=float, nargs="*", default=[0.0, 1.0])
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--pair-rows", action="store_true", help="one token: each kernel's tiles (see above)")
+    p.add_argument("--env-out", type=Path, default=None, help="with --pair-rows: write the best tiles' env value")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     device = torch.device("cuda")
@@ -78,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     w13 = (torch.randn(E, 2 * INTER, HID, generator=gen, device=device) * HID**-0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, HID, INTER, generator=gen, device=device) * INTER**-0.5).to(torch.bfloat16)
     res = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_bw, "workloads": []}
+    if a.pair_rows:
+        res["pair_rows"] = sweep_pair_rows(device, copy_bw, w13, w2)
+        if a.env_out:
+            a.env_out.write_text(res["pair_rows"]["env"] + "\n")
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1))
+        print(f"== total wall time {time.perf_counter() - t0:.1f} s", flush=True)
+        return 0
     for t, skew in itertools.product(a.tokens, a.skews):
         r = sweep(t, skew, device, copy_bw, w13, w2)
         res["workloads"].append(r)

@@ -46,7 +46,7 @@ class TritonDense(TorchDense):
     """kernels/gemv for 2-D x of 1..``max_rows`` rows on CUDA (and on the host under TRITON_INTERPRET=1);
     everything else, longer steps included, through ``F.linear``."""
 
-    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS, add_norm: bool = True) -> None:
+    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS, add_norm: bool = False) -> None:
         from kernels.gemv.add_norm import add_norm_gemv, add_norm_gemv_fits
         from kernels.gemv.gated_norm import gated_norm_gemv, gated_norm_gemv_fits
         from kernels.gemv.triton import GEMV_MAX_ROWS, gemv
@@ -95,10 +95,11 @@ class TritonDense(TorchDense):
 
 def gpu_dense_backend() -> TorchDense:
     """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM for one-row steps, ``0`` cuBLAS for every projection.
-    ``TANDEM_GEMV_ADD_NORM``: ``1`` (default) each layer's input norm inside its first projection at one row, ``0``
-    the norm's own launch (for A / B runs)."""
+    ``TANDEM_GEMV_ADD_NORM``: ``1`` each layer's input norm inside its first projection at one row, ``0`` (default)
+    the norm's own launch: on the H200 the fused form made a b1 step ~24 us slower (966 -> 990 us at 4k; every
+    program re-reads the whole row for its sum of squares), docs/PERFORMANCE.md, twenty-eighth session."""
     choice = os.environ.get("TANDEM_GEMV", "1").strip()
-    add_norm = os.environ.get("TANDEM_GEMV_ADD_NORM", "1").strip()
+    add_norm = os.environ.get("TANDEM_GEMV_ADD_NORM", "0").strip()
     for name, value in (("TANDEM_GEMV", choice), ("TANDEM_GEMV_ADD_NORM", add_norm)):
         if value not in ("0", "1"):
             raise ValueError(f"{name} must be 0 or 1, got {value!r}")

@@ -64,20 +64,24 @@ def test_mid_shapes_on_the_gpu(n, k):
     assert torch.equal(got_res, want_res)  # round to nearest even on the GPU, as torch
 
 
-def test_dense_backend_fuses_one_row_steps_only_and_can_be_switched_off(monkeypatch):
+def test_dense_backend_fuses_one_row_steps_only_when_switched_on(monkeypatch):
     from engine.backends.dense import TorchDense, TritonDense, gpu_dense_backend
 
     x, residual, norm_w, w = _inputs(24, 48, torch.float32)
-    fused = TritonDense().add_norm_linear(x, residual, norm_w, 1e-6, w)
+    assert TritonDense().add_norm_linear(x, residual, norm_w, 1e-6, w) is None  # off by default
+    fused = TritonDense(add_norm=True).add_norm_linear(x, residual, norm_w, 1e-6, w)
     assert fused is not None
     assert_close("backend add_norm", naive_add_norm_gemv(x, residual, norm_w, 1e-6, w)[0], fused[0], 1e-5)
-    assert TritonDense().add_norm_linear(torch.cat([x, x]), None, norm_w, 1e-6, w) is None  # two rows: the norm
+    two_rows = torch.cat([x, x])
+    assert TritonDense(add_norm=True).add_norm_linear(two_rows, None, norm_w, 1e-6, w) is None  # the norm's launch
     assert TorchDense().add_norm_linear(x, residual, norm_w, 1e-6, w) is None  # the reference never fuses
 
     monkeypatch.setenv("TANDEM_GEMV", "1")
-    monkeypatch.setenv("TANDEM_GEMV_ADD_NORM", "0")
+    monkeypatch.delenv("TANDEM_GEMV_ADD_NORM", raising=False)
     off = gpu_dense_backend()
     assert isinstance(off, TritonDense) and off.add_norm_linear(x, residual, norm_w, 1e-6, w) is None
+    monkeypatch.setenv("TANDEM_GEMV_ADD_NORM", "1")
+    assert gpu_dense_backend().add_norm_linear(x, residual, norm_w, 1e-6, w) is not None
     monkeypatch.setenv("TANDEM_GEMV_ADD_NORM", "2")
     with pytest.raises(ValueError, match="TANDEM_GEMV_ADD_NORM must be 0 or 1"):
         gpu_dense_backend()

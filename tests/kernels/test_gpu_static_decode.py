@@ -104,7 +104,7 @@ def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
     )
 
     calls = {"gemv": 0, "gated": 0, "add_norm": 0}
-    dense = TritonDense()
+    dense = TritonDense(add_norm=True)  # off by default (slower on the H200), kept correct
     gemv, gated, add_norm = dense._gemv, dense._gated_norm_gemv, dense._add_norm_gemv
     dense._gemv = lambda *a, **k: calls.__setitem__("gemv", calls["gemv"] + 1) or gemv(*a, **k)
     dense._gated_norm_gemv = lambda *a, **k: calls.__setitem__("gated", calls["gated"] + 1) or gated(*a, **k)

@@ -34,7 +34,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
 
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     eng = make_engine(tiny_models[arch], max_num_batched_tokens=512, cuda_graphs=True, dtype=dtype)
-    eng.model.backends = dataclasses.replace(gpu_backends(), dense=TritonDense())
+    eng.model.backends = dataclasses.replace(gpu_backends(), dense=TritonDense(add_norm=True))
     eng.model.pack_weights()  # as the engine does on CUDA
     with record_launches() as seen:
         eng.generate(random_prompts(1, [20], seed=1), params)  # one row: every one-row kernel
