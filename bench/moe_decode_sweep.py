@@ -106,7 +106,7 @@ def sweep_pair_rows(device: torch.device, copy_bw: float, w13: torch.Tensor, w2:
     res: dict = {"pairs": ONE_ROW_PAIRS, "default": dataclasses.asdict(base), "kernels": {}}
     for kernel in ("gate_up", "down"):
         rows = []
-        for bn, bk, nw in itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (2, 4, 8)):
+        for bn, bk, nw in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8)):
             if bn * bk > 16384:
                 continue  # past 32 KB of bf16 a load: register spills
             tiles = dataclasses.replace(base, **{kernel: ExpertTiles(bn, bk, nw)})
