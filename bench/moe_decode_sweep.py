@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu_kernels_check import kernel_ms
+from bench.kernels_check.report import kernel_us_by_name
 from bench.mid import roofline
 from kernels.moe.align import moe_align_triton
 from kernels.moe.decode import DecodeTiles, ExpertTiles, decode_tiles, moe_experts_decode
@@ -74,24 +75,6 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
     return res | {"default": default, "best": ok[:5], "rows": rows}
 
 
-def _kernel_us(fn, iters: int = 10) -> dict[str, float]:
-    """GPU microseconds a call of each kernel (by name), from the profiler."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    us: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            us[e.name] = us.get(e.name, 0.0) + e.device_time_total / iters
-    return us
-
-
 ONE_ROW_SETS, ONE_ROW_PAIRS = 8, 9
 
 
@@ -114,7 +97,8 @@ def sweep_pair_rows(device: torch.device, copy_bw: float, w13: torch.Tensor, w2:
             try:
                 out = moe_experts_decode(x, None, w13, w2, tiles, ids=id_sets[0])
                 err = (out.float() - want.float()).abs().max().item()
-                by_name = _kernel_us(lambda: [moe_experts_decode(x, None, w13, w2, tiles, ids=i) for i in id_sets])  # noqa: B023
+                calls = lambda: [moe_experts_decode(x, None, w13, w2, tiles, ids=i) for i in id_sets]  # noqa: B023
+                by_name = kernel_us_by_name(calls, 10)
             except Exception as exc:  # a tile this Triton cannot compile: recorded, not fatal
                 rows.append({**cfg, "error": repr(exc)[:200]})
                 continue

@@ -75,9 +75,8 @@ def timed(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -> float:
     return start.elapsed_time(end) / iters
 
 
-def kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
-    """Milliseconds of GPU kernel time per call (torch.profiler): for kernels of a few microseconds, where
-    back-to-back calls time the host's launches instead."""
+def kernel_us_by_name(fn: Callable[[], object], iters: int = 20) -> dict[str, float]:
+    """Microseconds of GPU time per call of each kernel, by name (torch.profiler)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,8 +86,17 @@ def kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return us / 1e3 / iters
+    us: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            us[e.name] = us.get(e.name, 0.0) + e.device_time_total / iters
+    return us
+
+
+def kernel_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Milliseconds of GPU kernel time per call (torch.profiler): for kernels of a few microseconds, where
+    back-to-back calls time the host's launches instead."""
+    return sum(kernel_us_by_name(fn, iters).values()) / 1e3
 
 
 def first_call(fn: Callable[[], object]) -> tuple[object, float]:
