@@ -34,7 +34,7 @@ from bench.gpu_kernels_check import kernel_ms
 from bench.kernels_check.report import kernel_us_by_name
 from bench.mid import roofline
 from kernels.moe.align import moe_align_triton
-from kernels.moe.decode import DecodeTiles, ExpertTiles, decode_tiles, moe_experts_decode
+from kernels.moe.decode import decode_gemm_tiles, decode_tiles, moe_experts_decode
 
 E, K, HID, INTER = 256, 8, 2304, 1024
 
@@ -52,19 +52,19 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
     x = torch.randn(t, HID, generator=gen, device=device).to(torch.bfloat16)
     al = moe_align_triton(ids, E)
     nbytes = hit * 3 * HID * INTER * 2
-    d = decode_tiles(t)
-    default_cfg = (d.block_m, d.gate_up.block_n, d.gate_up.block_k, d.gate_up.num_warps)  # as moe_experts_decode
-    want = moe_experts_decode(x, al, w13, w2, d)
+    d, _ = decode_tiles(t)  # both kernels' tiles are the same here
+    default_cfg = (d.block_m, d.block_n, d.block_k, d.num_warps)  # as moe_experts_decode picks them
+    want = moe_experts_decode(x, al, w13, w2, d, d)
     rows = []
     for bm, bn, bk, nw in itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256), (4, 8)):
         if bm * bk > 16384 or bn * bk > 16384:
             continue  # tiles past 32 KB of bf16 a load: register spills
         cfg = {"block_m": bm, "block_n": bn, "block_k": bk, "warps": nw}
         try:
-            tiles = DecodeTiles.uniform(bm, bn, bk, nw)
-            out = moe_experts_decode(x, al, w13, w2, tiles)
+            tiles = decode_gemm_tiles(bm, bn, bk, nw)
+            out = moe_experts_decode(x, al, w13, w2, tiles, tiles)
             err = (out.float() - want.float()).abs().max().item()
-            ms = kernel_ms(lambda: moe_experts_decode(x, al, w13, w2, tiles))  # noqa: B023
+            ms = kernel_ms(lambda: moe_experts_decode(x, al, w13, w2, tiles, tiles))  # noqa: B023
         except Exception as exc:  # a tile this Triton cannot compile: recorded, not fatal
             rows.append({**cfg, "error": repr(exc)[:200]})
             continue
@@ -83,21 +83,21 @@ def sweep_pair_rows(device: torch.device, copy_bw: float, w13: torch.Tensor, w2:
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, HID, generator=gen, device=device).to(torch.bfloat16)
     id_sets = [torch.randperm(E, generator=gen, device=device)[:ONE_ROW_PAIRS] for _ in range(ONE_ROW_SETS)]
-    base = decode_tiles(1)
-    want = moe_experts_decode(x, None, w13, w2, base, ids=id_sets[0])
+    base = dict(zip(("gate_up", "down"), decode_tiles(1), strict=True))
+    want = moe_experts_decode(x, None, w13, w2, **base, ids=id_sets[0])
     nbytes = {"gate_up": ONE_ROW_PAIRS * 2 * INTER * HID * 2, "down": ONE_ROW_PAIRS * HID * INTER * 2}
-    res: dict = {"pairs": ONE_ROW_PAIRS, "default": dataclasses.asdict(base), "kernels": {}}
+    res: dict = {"pairs": ONE_ROW_PAIRS, "default": {k: dataclasses.asdict(v) for k, v in base.items()}, "kernels": {}}
     for kernel in ("gate_up", "down"):
         rows = []
         for bn, bk, nw in itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8)):
             if bn * bk > 16384:
                 continue  # past 32 KB of bf16 a load: register spills
-            tiles = dataclasses.replace(base, **{kernel: ExpertTiles(bn, bk, nw)})
+            tiles = base | {kernel: decode_gemm_tiles(16, bn, bk, nw)}
             cfg = {"block_n": bn, "block_k": bk, "warps": nw}
             try:
-                out = moe_experts_decode(x, None, w13, w2, tiles, ids=id_sets[0])
+                out = moe_experts_decode(x, None, w13, w2, **tiles, ids=id_sets[0])
                 err = (out.float() - want.float()).abs().max().item()
-                calls = lambda: [moe_experts_decode(x, None, w13, w2, tiles, ids=i) for i in id_sets]  # noqa: B023
+                calls = lambda: [moe_experts_decode(x, None, w13, w2, **tiles, ids=i) for i in id_sets]  # noqa: B023
                 by_name = kernel_us_by_name(calls, 10)
             except Exception as exc:  # a tile this Triton cannot compile: recorded, not fatal
                 rows.append({**cfg, "error": repr(exc)[:200]})
@@ -105,8 +105,10 @@ def sweep_pair_rows(device: torch.device, copy_bw: float, w13: torch.Tensor, w2:
             us = sum(v for k, v in by_name.items() if f"_{kernel}_kernel" in k) / ONE_ROW_SETS
             rows.append({**cfg, "us": us, "roofline": nbytes[kernel] / (us * 1e-6) / copy_bw, "max_abs_diff": err})
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        mine = getattr(base, kernel)
-        default = next(r for r in ok if (r["block_n"], r["block_k"], r["warps"]) == dataclasses.astuple(mine))
+        mine = base[kernel]
+        default = next(
+            r for r in ok if (r["block_n"], r["block_k"], r["warps"]) == (mine.block_n, mine.block_k, mine.num_warps)
+        )
         res["kernels"][kernel] = {"default": default, "best": ok[:5], "rows": rows}
         b = ok[0]
         print(

@@ -11,7 +11,7 @@ def section_moe(rep: Report, quick: bool) -> None:
     from kernels.moe.align import MAX_PAIRS, moe_align_auto, moe_align_triton
     from kernels.moe.combine import moe_combine_triton
     from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
-    from kernels.moe.decode import DecodeTiles, moe_experts_decode
+    from kernels.moe.decode import decode_gemm_tiles, moe_experts_decode
     from kernels.moe.grouped import grouped_mm_supported, grouped_moe, moe_align, moe_combine
     from kernels.moe.naive import naive_moe, sigmoid_topk_route
     from kernels.moe.triton import sigmoid_topk_route_triton
@@ -71,7 +71,8 @@ def section_moe(rep: Report, quick: bool) -> None:
 
                 def decode_path(bm: int, bn: int, bk: int, nw: int) -> torch.Tensor:
                     al = moe_align_triton(ids, e)  # noqa: B023
-                    y = moe_experts_decode(x, al, w13, w2, DecodeTiles.uniform(bm, bn, bk, nw))  # noqa: B023
+                    tiles = decode_gemm_tiles(bm, bn, bk, nw)
+                    y = moe_experts_decode(x, al, w13, w2, tiles, tiles)  # noqa: B023
                     return moe_combine_triton(y, al.rows_of_pairs(), weights, BF16)  # noqa: B023
 
                 for cfg in ((16, 64, 128, 4), (16, 32, 128, 4), (16, 128, 64, 4), (16, 64, 256, 8), (32, 64, 128, 4)):

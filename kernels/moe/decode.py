@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.moe.grouped import MoEAlign
+from kernels.moe.tiles import GemmTiles
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm
 
@@ -164,58 +164,44 @@ def _down_kernel(
         tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@dataclass(frozen=True)
-class ExpertTiles:
-    """One expert kernel's launch: BLOCK_N output columns a program, BLOCK_K a step along the reduction."""
-
-    block_n: int
-    block_k: int = 128
-    num_warps: int = 4
+def decode_gemm_tiles(block_m: int, block_n: int, block_k: int = 128, num_warps: int = 4) -> GemmTiles:
+    """A decode expert kernel's tiles; 3 stages, Triton's default, as the launches had before they took tiles."""
+    return GemmTiles(block_m, block_n, block_k, num_warps=num_warps, num_stages=3)
 
 
-@dataclass(frozen=True)
-class DecodeTiles:
-    """Rows a program (both kernels: an expert's rows, walked in blocks) and each kernel's launch."""
-
-    block_m: int
-    gate_up: ExpertTiles
-    down: ExpertTiles
-
-    @classmethod
-    def uniform(cls, block_m: int, block_n: int, block_k: int = 128, num_warps: int = 4) -> DecodeTiles:
-        both = ExpertTiles(block_n, block_k, num_warps)
-        return cls(block_m, both, both)
-
-
-def decode_tiles(tokens: int) -> DecodeTiles:
-    """The tiles of a T-token step. Up to 16 tokens an expert has at most 16 rows: one row block, 32 columns
-    (229 us at T=1 against 249 us with 64 columns on the H200, fewer idle programs for 8 experts). Above,
-    routing is skewed (the mid model's b64 steps put up to ~40 rows on an expert) and a 16-row block walks the
-    expert's weights once per block: 32 x 64 tiles ran 350 us against 373 us with a shared per-expert logit
-    bias, 720 vs 716 us under uniform routing (``python -m bench.moe_decode_sweep``). One token:
+def decode_tiles(tokens: int) -> tuple[GemmTiles, GemmTiles]:
+    """The gate-up and down kernels' tiles of a T-token step. Up to 16 tokens an expert has at most 16 rows:
+    one row block, 32 columns (229 us at T=1 against 249 us with 64 columns on the H200, fewer idle programs
+    for 8 experts). Above, routing is skewed (the mid model's b64 steps put up to ~40 rows on an expert) and a
+    16-row block walks the expert's weights once per block: 32 x 64 tiles ran 350 us against 373 us with a
+    shared per-expert logit bias, 720 vs 716 us under uniform routing (``python -m bench.moe_decode_sweep``). One token:
     ``TANDEM_MOE_ONE_ROW_TILES`` (``bench.moe_decode_sweep --pair-rows`` prints it) for A / B runs."""
     if tokens == 1 and (override := one_row_tiles_override()) is not None:
         return override
-    return DecodeTiles.uniform(16, 32) if tokens <= 16 else DecodeTiles.uniform(32, 64)
+    tiles = _UP_TO_16_TOKENS if tokens <= 16 else _ABOVE_16_TOKENS
+    return tiles, tiles
 
 
-def parse_one_row_tiles(text: str) -> DecodeTiles:
+_UP_TO_16_TOKENS, _ABOVE_16_TOKENS = decode_gemm_tiles(16, 32), decode_gemm_tiles(32, 64)  # built once: per-launch path
+
+
+def parse_one_row_tiles(text: str) -> tuple[GemmTiles, GemmTiles]:
     """``"N/K/W,N/K/W"``: BLOCK_N / BLOCK_K / warps of the gate-up kernel, then of the down kernel."""
     try:
         fields = [[int(v) for v in part.split("/")] for part in text.split(",")]
         if len(fields) != 2 or any(len(f) != 3 for f in fields):
             raise ValueError("two kernels of three numbers each")
-        gate_up, down = (ExpertTiles(*f) for f in fields)
+        gate_up, down = (decode_gemm_tiles(16, *f) for f in fields)
     except ValueError as err:
         raise ValueError(f"TANDEM_MOE_ONE_ROW_TILES must be 'N/K/W,N/K/W' (gate-up, down), got {text!r}") from err
     for t in (gate_up, down):
         if min(t.block_n, t.block_k) < 16 or any(v & (v - 1) for v in (t.block_n, t.block_k, t.num_warps)):
             raise ValueError(f"TANDEM_MOE_ONE_ROW_TILES: blocks >= 16 and powers of two, got {text!r}")
-    return DecodeTiles(16, gate_up, down)
+    return gate_up, down
 
 
 @functools.cache
-def one_row_tiles_override() -> DecodeTiles | None:
+def one_row_tiles_override() -> tuple[GemmTiles, GemmTiles] | None:
     text = os.environ.get("TANDEM_MOE_ONE_ROW_TILES", "").strip()
     return parse_one_row_tiles(text) if text else None
 
@@ -225,12 +211,13 @@ def moe_experts_decode(
     al: MoEAlign | None,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    tiles: DecodeTiles | None = None,
+    gate_up: GemmTiles | None = None,
+    down: GemmTiles | None = None,
     ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; al: the sorted layout of the step's T*k pairs; w13 [E, 2I, H] (gate | up); w2 [E, H, I]
     -> the expert outputs [T*k, H] in sorted rows (unweighted; ``moe_combine`` weights and sums them).
-    tiles: rows a program and each kernel's columns, K step and warps (None: ``decode_tiles`` of T).
+    gate_up / down: the two kernels' tiles (None: ``decode_tiles`` of T; ``num_stages`` as the launch's).
     ids: the pairs' experts [T*k] (flat, pair order): with fewer pairs than experts the grid runs over pairs,
     not experts (``_expert_of_program``), so no program is launched for an expert without rows.
     al None (pair rows): one token, whose k experts must be distinct (a top-k); the rows come out in pair order,
@@ -250,14 +237,15 @@ def moe_experts_decode(
             "pair rows (al=None) take one token and its experts as ids [k]; "
             f"got x {tuple(x.shape)}, ids {None if ids is None else tuple(ids.shape)}"
         )
-    tiles = tiles or decode_tiles(x.shape[0])
+    default_gu, default_dn = decode_tiles(x.shape[0])
+    gu, dn = gate_up or default_gu, down or default_dn
     n = ids.numel() if al is None else al.token.numel()
     a = torch.empty(n, i, dtype=x.dtype, device=x.device)
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
     dot_f32, prec = dot_config(x.dtype)
-    blocks = dict(BLOCK_M=tiles.block_m, DOT_F32=dot_f32, PREC=prec)
+    blocks = dict(DOT_F32=dot_f32, PREC=prec)
     if al is None:
         token, ends, pairs, pos, grid0, compact = ids, ids, ids, ids, n, False  # only IDS is read
     else:
@@ -270,23 +258,22 @@ def moe_experts_decode(
         else:
             pairs, pos, grid0 = ends, ends, e  # unused pointers
     blocks.update(COMPACT=compact, PAIR_ROWS=al is None)
-    gu, dn = tiles.gate_up, tiles.down
     _gate_up_kernel[(grid0, triton.cdiv(i, gu.block_n))](
         x, token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
-        a.stride(0), **blocks, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps,
-        **pdl_kwargs(x, "moe.gate_up"),
+        a.stride(0), **blocks, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_kwargs(x, "moe.gate_up"),
     )  # fmt: skip
     _down_kernel[(grid0, triton.cdiv(h, dn.block_n))](
         a, ends, pairs, pos, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks,
-        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, **pdl_kwargs(x, "moe.down"),
+        BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
+        **pdl_kwargs(x, "moe.down"),
     )  # fmt: skip
     return y
 
 
 __all__ = [
     "MAX_PAIRS",
-    "DecodeTiles",
-    "ExpertTiles",
+    "decode_gemm_tiles",
     "decode_tiles",
     "moe_experts_decode",
     "parse_one_row_tiles",

@@ -7,7 +7,7 @@ import torch
 
 from kernels.moe.align import moe_align_blocks, moe_align_triton
 from kernels.moe.combine import moe_combine_triton
-from kernels.moe.decode import DecodeTiles, ExpertTiles, decode_tiles, moe_experts_decode, parse_one_row_tiles
+from kernels.moe.decode import decode_gemm_tiles, decode_tiles, moe_experts_decode, parse_one_row_tiles
 from kernels.moe.grouped import grouped_moe, moe_align, moe_combine
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.moe.triton import sigmoid_topk_route_triton
@@ -213,8 +213,8 @@ def test_decode_experts_match_the_definition(t, e, k, h, i, blocks, dtype, with_
     al = moe_align_triton(ids, e)
     bm, bn, bk = blocks
     flat = ids.reshape(-1) if with_ids else None
-    tiles = None if bm is None else DecodeTiles.uniform(bm, bn, bk)
-    y = moe_experts_decode(x, al, w13, w2, tiles, ids=flat)
+    tiles = None if bm is None else decode_gemm_tiles(bm, bn, bk)
+    y = moe_experts_decode(x, al, w13, w2, tiles, tiles, ids=flat)
     assert y.shape == (t * k, h) and y.dtype == dtype
     out = moe_combine_triton(y, al.rows_of_pairs(), weights, dtype)
     assert_close("decode experts", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
@@ -260,7 +260,7 @@ def test_pair_rows_refuse_more_than_one_token():
 
 def test_decode_tiles_take_two_row_blocks_only_above_16_tokens():
     """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns); above, 32 x 64 tiles."""
-    got = [(d.block_m, d.gate_up.block_n, d.down.block_n) for d in map(decode_tiles, (1, 16, 17, 64))]
+    got = [(gu.block_m, gu.block_n, dn.block_n) for gu, dn in map(decode_tiles, (1, 16, 17, 64))]
     assert got == [(16, 32, 32), (16, 32, 32), (32, 64, 64), (32, 64, 64)]
 
 
@@ -275,14 +275,15 @@ def test_pair_rows_with_separate_kernel_tiles_match_the_definition(dtype):
     w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE, dtype)
     weights, ids = sigmoid_topk_route(torch.randn(1, e, generator=g).to(DEVICE), None, k, True, 2.446)
     ref = naive_moe(x.float(), weights, ids, w13[:, :i].float(), w13[:, i:].float(), w2.float())
-    tiles = DecodeTiles(16, ExpertTiles(64, 64, 2), ExpertTiles(64, 16, 8))
-    y = moe_experts_decode(x, None, w13, w2, tiles, ids=ids.reshape(-1))
+    gate_up, down = decode_gemm_tiles(16, 64, 64, 2), decode_gemm_tiles(16, 64, 16, 8)
+    y = moe_experts_decode(x, None, w13, w2, gate_up, down, ids=ids.reshape(-1))
     out = moe_combine_triton(y, None, weights, dtype)
     assert_close("pair rows, own tiles", ref, out, tol(dtype) if dtype == torch.float32 else 1.5e-2)
 
 
 def test_one_row_tiles_parse_and_refuse_bad_text(monkeypatch):
-    assert parse_one_row_tiles("64/256/4,16/512/8") == DecodeTiles(16, ExpertTiles(64, 256, 4), ExpertTiles(16, 512, 8))
+    want = (decode_gemm_tiles(16, 64, 256, 4), decode_gemm_tiles(16, 16, 512, 8))
+    assert parse_one_row_tiles("64/256/4,16/512/8") == want
     for bad in ("64/256/4", "64/256,16/512/8", "48/256/4,16/512/8", "a/b/c,1/2/3", "8/256/4,16/512/8"):
         with pytest.raises(ValueError, match="TANDEM_MOE_ONE_ROW_TILES"):
             parse_one_row_tiles(bad)
@@ -291,11 +292,11 @@ def test_one_row_tiles_parse_and_refuse_bad_text(monkeypatch):
     monkeypatch.setenv("TANDEM_MOE_ONE_ROW_TILES", "64/256/4,16/512/8")
     decode.one_row_tiles_override.cache_clear()
     try:
-        assert decode_tiles(1).down == ExpertTiles(16, 512, 8) and decode_tiles(2) == DecodeTiles.uniform(16, 32)
+        assert decode_tiles(1) == want and decode_tiles(2) == (decode_gemm_tiles(16, 32),) * 2
     finally:
         monkeypatch.delenv("TANDEM_MOE_ONE_ROW_TILES")
         decode.one_row_tiles_override.cache_clear()
-    assert decode_tiles(1) == DecodeTiles.uniform(16, 32)
+    assert decode_tiles(1) == (decode_gemm_tiles(16, 32),) * 2
 
 
 def test_decode_experts_refuse_bad_shapes():
