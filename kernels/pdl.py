@@ -42,6 +42,7 @@ SITES = {
     "moe": (
         "router_partials",
         "route",
+        "router_route",
         "align",
         "block_counts",
         "block_rows",

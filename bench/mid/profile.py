@@ -28,7 +28,7 @@ PREFIX = "tandem."
 _METHODS = {
     "attention": ("write_kv", "gqa", "mla"),
     "KDA": ("short_conv", "short_conv_qkv", "gated_conv_recurrence", "conv_recurrence", "recurrence"),
-    "MoE": ("router_logits", "route", "experts"),
+    "MoE": ("route_hidden", "router_logits", "route", "experts"),  # the fused route calls neither inner one
     "GEMM": ("linear",),
 }
 

@@ -167,7 +167,7 @@ def experts_touched(eng: LLMEngine) -> list[int]:
     counted with the dense ones."""
     moe = eng.model.backends.moe
     seen: list[int] = []
-    route = moe.route
+    route = moe.route_hidden  # the models' one entry (the GPU backend's one-launch route calls no ``route``)
 
     def counting(*a: Any, **k: Any) -> Any:
         weights, ids = route(*a, **k)
@@ -176,11 +176,11 @@ def experts_touched(eng: LLMEngine) -> list[int]:
         seen.append(int(routed.unique().numel()))
         return weights, ids
 
-    moe.route = counting
+    moe.route_hidden = counting
     try:
         eng.step()
     finally:
-        del moe.route  # back to the class method
+        del moe.route_hidden  # back to the class method
     return seen
 
 

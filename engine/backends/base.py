@@ -155,6 +155,22 @@ class MoEBackend(ABC):
 
         return router_logits(x, weight, weight_fp32)
 
+    def route_hidden(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_fp32: torch.Tensor | None,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        renormalize: bool,
+        scaling_factor: float,
+        extra_expert: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router over x [T, H] and its routing: ``route(router_logits(x, weight, weight_fp32), ...)``; a
+        backend may do both in one launch."""
+        logits = self.router_logits(x, weight, weight_fp32)
+        return self.route(logits, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert)
+
     @abstractmethod
     def route(
         self,

@@ -26,6 +26,7 @@ from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
+from kernels.moe.route_fused import RouteTicket, router_route
 from kernels.moe.router import router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.latent_write import write_mla_latent_triton
@@ -38,6 +39,10 @@ from kernels.triton_utils import is_interpreting
 # TANDEM_FLASHMLA_SHARED_PLAN=0 plans in every layer, for A / B runs
 ROUTER_GEMV_MAX_ROWS = 16
 """Steps of at most this many rows may take the split-K router (``GPUMoEBackend.router_logits``)."""
+FUSED_ROUTE_MAX_ROWS = 1
+"""Steps of at most this many rows route in one launch (``GPUMoEBackend.route_hidden``; its last program routes
+the rows one after another, so only one-row steps by default: the case measured, ~7 us of a b1 step on an H100);
+``TANDEM_MOE_FUSED_ROUTE_ROWS`` overrides it, 0 turns the fused launch off."""
 FLASHMLA_SHARED_PLAN = os.environ.get("TANDEM_FLASHMLA_SHARED_PLAN", "1") != "0"
 
 
@@ -169,6 +174,7 @@ class GPUMoEBackend(MoEBackend):
         gate_up_tma: bool | None = None,
         down_impl: str | None = None,
         router_gemv: bool | None = None,
+        fused_route_rows: int | None = None,
     ) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
@@ -190,6 +196,13 @@ class GPUMoEBackend(MoEBackend):
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
+        if fused_route_rows is None:
+            rows = os.environ.get("TANDEM_MOE_FUSED_ROUTE_ROWS", str(FUSED_ROUTE_MAX_ROWS)).strip()
+            if not rows.isdigit():
+                raise ValueError(f"TANDEM_MOE_FUSED_ROUTE_ROWS must be a row count (0: off), got {rows!r}")
+            fused_route_rows = int(rows)
+        self.fused_route_rows = min(fused_route_rows, 64)  # kernels/moe/route_fused.py takes up to 64 rows
+        self._route_ticket = RouteTicket()
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -217,6 +230,32 @@ class GPUMoEBackend(MoEBackend):
         if self.router_gemv and small and on_device:
             return router_partials(x, weight)
         return super().router_logits(x, weight, weight_fp32)
+
+    def route_hidden(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_fp32: torch.Tensor | None,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        renormalize: bool,
+        scaling_factor: float,
+        extra_expert: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps of at most ``fused_route_rows`` rows: the router GEMV and the top-k in one launch
+        (kernels/moe/route_fused.py: the split-K router's partials, added in split order by its last program, so
+        the same routing as ``TANDEM_MOE_ROUTER_GEMV=1``'s two launches). The ticket is made on the first call of
+        any size, which is an eager prefill before any decode graph is captured."""
+        on_device = (x.is_cuda or is_interpreting()) and x.stride(-1) == 1 and weight.stride(-1) == 1
+        if on_device and x.ndim == 2:
+            ticket = self._route_ticket.get(x.device)
+            if 0 < x.shape[0] <= self.fused_route_rows and x.dtype == weight.dtype:
+                return router_route(
+                    x, weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
+                )
+        return super().route_hidden(
+            x, weight, weight_fp32, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
+        )
 
     def route(
         self,

@@ -217,10 +217,11 @@ class SparseMoE(nn.Module):
         ex.w3 = nn.Parameter(w13[:e, i:], requires_grad=False)
 
     def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
-        logits = be.moe.router_logits(x, self.gate.weight, self._gate_fp32)  # routing in fp32
         fold = self._with_shared is not None and be.moe.folds_shared(x.shape[0])
-        weights, ids = be.moe.route(
-            logits,
+        weights, ids = be.moe.route_hidden(  # routing in fp32
+            x,
+            self.gate.weight,
+            self._gate_fp32,
             self.gate.e_score_correction_bias,
             self.cfg.num_experts_per_token,
             self.cfg.moe_renormalize,

@@ -24,6 +24,40 @@ BLOCK_E = 16
 
 
 @triton.jit
+def router_block(
+    X,
+    W,
+    P,
+    i_e,
+    i_s,
+    T,
+    E,
+    H,
+    stride_x,
+    stride_w,
+    SPLIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Expert block ``i_e``'s partial logits over column split ``i_s``: P[i_s, :T, block] (fp32)."""
+    o_t = tl.arange(0, BLOCK_T)
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_t, m_e = o_t < T, o_e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in tl.static_range(0, SPLIT, BLOCK_K):
+        o_k = i_s * SPLIT + k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < H
+        x = tl.load(X + o_t[:, None] * stride_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        w = tl.load(W + o_e[:, None] * stride_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0.0)
+        acc += mm(x, tl.trans(w), DOT_F32, PREC)
+    p = P + i_s * T * E + o_t[:, None] * E + o_e[None, :]
+    tl.store(p, acc, mask=m_t[:, None] & m_e[None, :])
+
+
+@triton.jit
 def _router_partials_kernel(
     X,  # [T, H]
     W,  # [E, H]
@@ -42,26 +76,15 @@ def _router_partials_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    i_e = tl.program_id(0)
-    i_s = tl.program_id(1)
-    o_t = tl.arange(0, BLOCK_T)
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    m_t, m_e = o_t < T, o_e < E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for k0 in tl.static_range(0, SPLIT, BLOCK_K):
-        o_k = i_s * SPLIT + k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < H
-        x = tl.load(X + o_t[:, None] * stride_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        w = tl.load(W + o_e[:, None] * stride_w + o_k[None, :], mask=m_e[:, None] & m_k[None, :], other=0.0)
-        acc += mm(x, tl.trans(w), DOT_F32, PREC)
-    p = P + i_s * T * E + o_t[:, None] * E + o_e[None, :]
-    tl.store(p, acc, mask=m_t[:, None] & m_e[None, :])
+    router_block(
+        X, W, P, tl.program_id(0), tl.program_id(1), T, E, H, stride_x, stride_w,
+        SPLIT, BLOCK_T, BLOCK_E, BLOCK_K, DOT_F32, PREC,
+    )  # fmt: skip
 
 
-def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K) -> torch.Tensor:
-    """x [T, H] @ weight [E, H]^T as [ceil(H / split), T, E] fp32 partial sums over consecutive column ranges of
-    ``split`` (a power of two, >= 16); their sum in split order is the logits. T <= 64 (one row block)."""
-    check_device("router_partials", x, weight)
+def check_router_args(name: str, x: torch.Tensor, weight: torch.Tensor, split: int) -> None:
+    """x [T <= 64, H] and weight [E, H] of one dtype with a unit stride on H; split a power of two >= 16."""
+    check_device(name, x, weight)
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [T, H] and weight [E, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -70,10 +93,16 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if split < 16 or split != next_pow2(split):
         raise ValueError(f"split must be a power of two >= 16, got {split}")
+    if x.shape[0] > 64:
+        raise ValueError(f"{name} is for decode-sized steps (at most 64 rows), got {x.shape[0]}")
+
+
+def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K) -> torch.Tensor:
+    """x [T, H] @ weight [E, H]^T as [ceil(H / split), T, E] fp32 partial sums over consecutive column ranges of
+    ``split`` (a power of two, >= 16); their sum in split order is the logits. T <= 64 (one row block)."""
+    check_router_args("router_partials", x, weight, split)
     t, h = x.shape
     e = weight.shape[0]
-    if t > 64:
-        raise ValueError(f"router_partials is for decode-sized steps (at most 64 rows), got {t}")
     n_split = triton.cdiv(h, split)
     out = torch.empty(n_split, t, e, dtype=torch.float32, device=x.device)
     if t == 0:
@@ -100,4 +129,4 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
     return out
 
 
-__all__ = ["SPLIT_K", "router_partials"]
+__all__ = ["BLOCK_E", "SPLIT_K", "check_router_args", "router_block", "router_partials"]

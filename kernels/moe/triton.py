@@ -16,11 +16,12 @@ from kernels.triton_utils import check_device, next_pow2
 
 
 @triton.jit
-def _sigmoid_topk_kernel(
+def route_rows(
     LOGITS,  # [T, E], or [SPLITS, T, E] partial sums (kernels/moe/router.py), added here in split order
     BIAS,  # [E]
     W_OUT,  # [T, K] fp32
     ID_OUT,  # [T, K] int64
+    i_t,
     T,
     E,
     stride_l,
@@ -35,19 +36,19 @@ def _sigmoid_topk_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
-    i_t = tl.program_id(0)
+    """Route the BLOCK_T tokens of block ``i_t``. CACHE: the logits' load cache modifier (".cg" where other
+    programs of the same launch wrote them: kernels/moe/route_fused.py)."""
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     m_t = o_t < T
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E
     p_l = LOGITS + o_t[:, None].to(tl.int64) * stride_l + o_e[None, :]
     m_l = m_t[:, None] & m_e[None, :]
-    b_l = tl.load(p_l, mask=m_l, other=0.0).to(tl.float32)
+    b_l = tl.load(p_l, mask=m_l, other=0.0, cache_modifier=CACHE).to(tl.float32)
     for s in tl.static_range(1, SPLITS):
-        b_l += tl.load(p_l + s * stride_s, mask=m_l, other=0.0).to(tl.float32)
+        b_l += tl.load(p_l + s * stride_s, mask=m_l, other=0.0, cache_modifier=CACHE).to(tl.float32)
     b_s = tl.sigmoid(b_l)
     if HAS_BIAS:
         b_choice = b_s + tl.load(BIAS + o_e, mask=m_e, other=0.0).to(tl.float32)[None, :]
@@ -74,6 +75,45 @@ def _sigmoid_topk_kernel(
     o_out = o_t[:, None].to(tl.int64) * OUT_K + o_k[None, :]
     tl.store(W_OUT + o_out, b_w, mask=m_o)
     tl.store(ID_OUT + o_out, b_id.to(tl.int64), mask=m_o)
+
+
+@triton.jit
+def _sigmoid_topk_kernel(
+    LOGITS,
+    BIAS,
+    W_OUT,
+    ID_OUT,
+    T,
+    E,
+    stride_l,
+    stride_s,
+    scaling,
+    extra_id,
+    TOP_K: tl.constexpr,
+    OUT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    route_rows(
+        LOGITS, BIAS, W_OUT, ID_OUT, tl.program_id(0), T, E, stride_l, stride_s, scaling, extra_id,
+        TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, BLOCK_T, BLOCK_E, BLOCK_K, "",
+    )  # fmt: skip
+
+
+def check_route_args(e: int, top_k: int, correction_bias: torch.Tensor | None, extra_expert: int | None) -> None:
+    """The routing arguments for E experts: 1 <= top_k <= E, a bias of [E], an extra expert past the E."""
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    if correction_bias is not None and correction_bias.shape != (e,):
+        raise ValueError(f"correction_bias must be [{e}], got {tuple(correction_bias.shape)}")
+    if extra_expert is not None and extra_expert < e:
+        raise ValueError(f"extra_expert must be past the {e} routed experts, got {extra_expert}")
 
 
 def sigmoid_topk_route_triton(
@@ -103,12 +143,7 @@ def sigmoid_topk_route_triton(
     if splits == 0:
         raise ValueError("router_logits partials need at least one split")
     t, e = router_logits.shape[-2:]
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
-    if correction_bias is not None and correction_bias.shape != (e,):
-        raise ValueError(f"correction_bias must be [{e}], got {tuple(correction_bias.shape)}")
-    if extra_expert is not None and extra_expert < e:
-        raise ValueError(f"extra_expert must be past the {e} routed experts, got {extra_expert}")
+    check_route_args(e, top_k, correction_bias, extra_expert)
     out_k = top_k + (extra_expert is not None)
     weights = torch.empty(t, out_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, out_k, dtype=torch.int64, device=router_logits.device)
@@ -143,4 +178,4 @@ def sigmoid_topk_route_triton(
     return weights, ids
 
 
-__all__ = ["sigmoid_topk_route_triton"]
+__all__ = ["check_route_args", "route_rows", "sigmoid_topk_route_triton"]
