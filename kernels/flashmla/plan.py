@@ -12,7 +12,8 @@ q = ceil(total / num_parts). Graph-safe: the lengths are read on the device only
 host ints fixed per captured batch size.
 
 ``TANDEM_FLASHMLA_PARTS``: ``auto`` (default: every part of the grid, each taking at least ``AUTO_MIN_BLOCKS``
-blocks, so the part count follows the step's lengths on the device), an int (at most that many parts), or
+blocks, so the part count follows the step's lengths on the device; at most ``AUTO_MAX_PARTS_PER_SEQ`` parts a
+sequence, ``TANDEM_FLASHMLA_MAX_PARTS_PER_SEQ``), an int (at most that many parts), or
 ``flashmla`` (FlashMLA plans itself, as before: for A / B runs). ``TANDEM_FLASHMLA_MIN_BLOCKS`` overrides the
 fewest blocks a part takes.
 
@@ -70,13 +71,29 @@ def num_parts_for(batch: int, grid_parts: int) -> int | None:
         if setting > grid_parts:
             raise ValueError(f"{PARTS_ENV}={setting}, but FlashMLA's grid has {grid_parts} parts here")
         return setting
-    return grid_parts  # auto: every part of the grid, each taking at least AUTO_MIN_BLOCKS blocks
+    # auto: every part of the grid, each taking at least AUTO_MIN_BLOCKS blocks, at most MAX_PARTS_PER_SEQ a sequence
+    return min(grid_parts, max_parts_per_seq_setting() * batch)
 
 
 MIN_BLOCKS_ENV = "TANDEM_FLASHMLA_MIN_BLOCKS"
 AUTO_MIN_BLOCKS = 4
 """Blocks (pages of 64 keys) a part takes at least under the auto policy: a part's fixed cost (its Q load, the
 pipeline's fill, one more split for the combine) paid over at least 256 keys (bench/flashmla_parts.py)."""
+
+
+MAX_PARTS_PER_SEQ_ENV = "TANDEM_FLASHMLA_MAX_PARTS_PER_SEQ"
+AUTO_MAX_PARTS_PER_SEQ = 64
+"""Parts the auto policy plans at most per sequence of the batch: past ~64 splits of one sequence the combine's
+serial walk over them costs more than the split kernel saves (H100, ``python -m bench.flashmla_parts``, one
+sequence, us a launch, 4 blocks a part vs 64 parts: 32k 49.3 -> 42.0, 64k 62.5 -> 53.8; the combine alone took
+30.5 us of a 1 x 32k launch at 128 parts; docs/PERFORMANCE.md, twenty-ninth session). Only batches of one or two
+sequences plan fewer than the grid's 132 parts."""
+
+
+def max_parts_per_seq_setting() -> int:
+    """``TANDEM_FLASHMLA_MAX_PARTS_PER_SEQ``: the most parts the auto policy gives each sequence of the batch."""
+    value = os.environ.get(MAX_PARTS_PER_SEQ_ENV, str(AUTO_MAX_PARTS_PER_SEQ))
+    return int(_positive_int_or_word(MAX_PARTS_PER_SEQ_ENV, value, (), "parts"))
 
 
 def min_blocks_setting() -> int:

@@ -38,7 +38,8 @@ def test_parts_policy_comes_from_the_environment(monkeypatch):
     from kernels.flashmla import plan  # here, not above: its Triton kernel must be defined under the interpreter
 
     monkeypatch.delenv("TANDEM_FLASHMLA_PARTS", raising=False)
-    assert plan.parts_setting() == "auto" and plan.num_parts_for(1, 132) == 132
+    monkeypatch.delenv("TANDEM_FLASHMLA_MAX_PARTS_PER_SEQ", raising=False)
+    assert plan.parts_setting() == "auto" and plan.num_parts_for(3, 132) == 132 and plan.num_parts_for(1, 132) == 64
     monkeypatch.setenv("TANDEM_FLASHMLA_PARTS", "flashmla")
     assert plan.parts_setting() == "flashmla" and plan.num_parts_for(64, 132) is None
     monkeypatch.setenv("TANDEM_FLASHMLA_PARTS", "12")

@@ -176,12 +176,22 @@ def test_checker_fails_on_a_corrupted_plan(kind, planner):
 
 
 def test_auto_policy(plan, monkeypatch):
-    """auto: every part of the grid at every batch, each part taking at least AUTO_MIN_BLOCKS blocks, so the parts
-    used follow the lengths (a 4k context at batch 1: 16 parts of 4 pages, not FlashMLA's 64 of one)."""
+    """auto: every part of the grid, at most AUTO_MAX_PARTS_PER_SEQ a sequence, each part taking at least
+    AUTO_MIN_BLOCKS blocks, so the parts used follow the lengths (a 4k context at batch 1: 16 parts of 4 pages, not
+    FlashMLA's 64 of one; a 32k one: 64 parts of 8, not 128 of 4)."""
     monkeypatch.delenv(plan.PARTS_ENV, raising=False)
     monkeypatch.delenv(plan.MIN_BLOCKS_ENV, raising=False)
-    assert [plan.num_parts_for(b, GRID) for b in (1, 16, 64, 512)] == [GRID] * 4
+    monkeypatch.delenv(plan.MAX_PARTS_PER_SEQ_ENV, raising=False)
+    assert plan.AUTO_MAX_PARTS_PER_SEQ == plan.max_parts_per_seq_setting() == 64
+    assert [plan.num_parts_for(b, GRID) for b in (1, 2, 3, 16, 64, 512)] == [64, 128] + [GRID] * 4
     assert plan.num_parts_for(64, 66) == 66 and plan.num_parts_for(1, 4) == 4  # the grid's parts, whatever it is
+    meta, _ = plan.even_blocks_plan(torch.tensor([32768], dtype=torch.int32, device=DEVICE), 64, GRID, 4)
+    assert int((meta[:, 0] < 1).sum()) == 64  # 512 blocks: 64 parts of 8
+    monkeypatch.setenv(plan.MAX_PARTS_PER_SEQ_ENV, "200")
+    assert plan.num_parts_for(1, GRID) == GRID
+    monkeypatch.setenv(plan.MAX_PARTS_PER_SEQ_ENV, "0")
+    with pytest.raises(ValueError, match=plan.MAX_PARTS_PER_SEQ_ENV):
+        plan.num_parts_for(1, GRID)
     assert combine_max_splits(GRID) >= GRID and plan.AUTO_MIN_BLOCKS == plan.min_blocks_setting() == 4
     meta, _ = plan.even_blocks_plan(torch.tensor([4096], dtype=torch.int32, device=DEVICE), GRID, GRID, 4)
     assert int((meta[:, 0] < 1).sum()) == 16
