@@ -18,6 +18,7 @@ import importlib
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,30 +29,14 @@ if not ON_CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET"
         "triton was imported before tests/kernels/conftest.py without TRITON_INTERPRET=1, so its kernels are "
         "compiled-mode and cannot run on this CPU-only machine: run with TRITON_INTERPRET=1 in the environment"
     )
-TRITON_MODULES = (
-    "kernels.moe.align",
-    "kernels.moe.combine",
-    "kernels.moe.decode",
-    "kernels.moe.prefill",
-    "kernels.moe.prefill_tma",
-    "kernels.moe.router",
-    "kernels.moe.tiles",
-    "kernels.moe.triton",
-    "kernels.page_copy.triton",
-    "kernels.pdl",
-    "kernels.flashmla.plan",
-    "kernels.gemv.triton",
-    "kernels.gemv.gated_norm",
-    "kernels.gemv.add_norm",
-    "kernels.paged_attention.latent_write",
-    "kernels.paged_attention.mla_decode",
-    "kernels.paged_attention.triton",
-    "kernels.sampling.triton",
-    "kernels.short_conv.planes",
-    "kernels.short_conv.triton",
-    "kernels.short_conv.fla_adapter",
-    "kernels.state_copy.triton",
-)
+_KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+TRITON_MODULES = tuple(
+    sorted(
+        "kernels." + ".".join(f.relative_to(_KERNELS).with_suffix("").parts)
+        for f in _KERNELS.rglob("*.py")
+        if "@triton.jit" in f.read_text()  # every module defining a kernel: a new one cannot be left out
+    )
+) + ("kernels.short_conv.fla_adapter",)
 
 
 @contextmanager
