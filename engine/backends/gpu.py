@@ -219,6 +219,11 @@ class GPUMoEBackend(MoEBackend):
     def _grouped_needs_host(x: torch.Tensor) -> bool:
         return x.is_cuda and not grouped_mm_supported(x)
 
+    @staticmethod
+    def _router_kernels_take(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the router's Triton kernels (kernels/moe/router.py, route_fused.py) can run on x and weight."""
+        return (x.is_cuda or is_interpreting()) and x.stride(-1) == 1 and weight.stride(-1) == 1
+
     def router_logits(
         self, x: torch.Tensor, weight: torch.Tensor, weight_fp32: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -226,8 +231,7 @@ class GPUMoEBackend(MoEBackend):
         split-K partial sums (kernels/moe/router.py), which ``route`` adds as it loads them; off by default until
         measured on the H200 against cuBLAS's 5.7 us a layer."""
         small = 0 < x.shape[0] <= ROUTER_GEMV_MAX_ROWS and x.dtype == weight.dtype
-        on_device = (x.is_cuda or is_interpreting()) and x.stride(-1) == 1 and weight.stride(-1) == 1
-        if self.router_gemv and small and on_device:
+        if self.router_gemv and small and self._router_kernels_take(x, weight):
             return router_partials(x, weight)
         return super().router_logits(x, weight, weight_fp32)
 
@@ -246,8 +250,7 @@ class GPUMoEBackend(MoEBackend):
         (kernels/moe/route_fused.py: the split-K router's partials, added in split order by its last program, so
         the same routing as ``TANDEM_MOE_ROUTER_GEMV=1``'s two launches). The ticket is made on the first call of
         any size, which is an eager prefill before any decode graph is captured."""
-        on_device = (x.is_cuda or is_interpreting()) and x.stride(-1) == 1 and weight.stride(-1) == 1
-        if on_device and x.ndim == 2:
+        if self._router_kernels_take(x, weight) and x.ndim == 2:
             ticket = self._route_ticket.get(x.device)
             if 0 < x.shape[0] <= self.fused_route_rows and x.dtype == weight.dtype:
                 return router_route(

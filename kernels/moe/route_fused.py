@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block
-from kernels.moe.triton import check_route_args, route_rows
+from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
+from kernels.moe.triton import check_route_args, route_rows, route_tiles
 from kernels.pdl import pdl_enter, pdl_kwargs
-from kernels.triton_utils import dot_config, next_pow2
 
 
 @triton.jit
@@ -117,8 +116,6 @@ def router_route(
         return weights, ids
     n_split = triton.cdiv(h, split)
     partials = torch.empty(n_split, t, e, dtype=torch.float32, device=x.device)
-    dot_f32, prec = dot_config(x.dtype)
-    route_block_e = next_pow2(e)
     _router_route_kernel[(triton.cdiv(e, BLOCK_E), n_split)](
         x,
         weight,
@@ -134,20 +131,13 @@ def router_route(
         weight.stride(0),
         float(scaling_factor),
         -1 if extra_expert is None else int(extra_expert),
-        SPLIT=split,
         SPLITS=n_split,
-        BLOCK_T=max(16, next_pow2(t)),
-        BLOCK_E=BLOCK_E,
-        BLOCK_K=min(split, 128),
-        DOT_F32=dot_f32,
-        PREC=prec,
         TOP_K=top_k,
         OUT_K=out_k,
         HAS_BIAS=correction_bias is not None,
         RENORM=renormalize,
-        ROUTE_BLOCK_T=max(1, min(2, 4096 // route_block_e)),  # as the top-k kernel: the k rounds are serial
-        ROUTE_BLOCK_E=route_block_e,
-        ROUTE_BLOCK_K=next_pow2(out_k),
+        **router_tiles(t, split, x.dtype),  # the partials and the route as the two launches take them
+        **{f"ROUTE_{k}": v for k, v in route_tiles(t, e, out_k).items()},
         num_warps=4,
         **pdl_kwargs(x, "moe.router_route"),
     )

@@ -11,6 +11,8 @@ them and the result is deterministic. Not on by default until the H200 says it i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -97,6 +99,20 @@ def check_router_args(name: str, x: torch.Tensor, weight: torch.Tensor, split: i
         raise ValueError(f"{name} is for decode-sized steps (at most 64 rows), got {x.shape[0]}")
 
 
+def router_tiles(t: int, split: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The constexprs of ``router_block`` for T rows: one choice for every launch that computes the partials, so
+    the fused route (kernels/moe/route_fused.py) adds exactly the sums ``router_partials`` gives."""
+    dot_f32, prec = dot_config(dtype)
+    return {
+        "SPLIT": split,
+        "BLOCK_T": max(16, next_pow2(t)),
+        "BLOCK_E": BLOCK_E,
+        "BLOCK_K": min(split, 128),
+        "DOT_F32": dot_f32,
+        "PREC": prec,
+    }
+
+
 def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K) -> torch.Tensor:
     """x [T, H] @ weight [E, H]^T as [ceil(H / split), T, E] fp32 partial sums over consecutive column ranges of
     ``split`` (a power of two, >= 16); their sum in split order is the logits. T <= 64 (one row block)."""
@@ -107,7 +123,6 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
     out = torch.empty(n_split, t, e, dtype=torch.float32, device=x.device)
     if t == 0:
         return out
-    dot_f32, prec = dot_config(x.dtype)
     _router_partials_kernel[(triton.cdiv(e, BLOCK_E), n_split)](
         x,
         weight,
@@ -117,16 +132,11 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
         h,
         x.stride(0),
         weight.stride(0),
-        SPLIT=split,
-        BLOCK_T=max(16, next_pow2(t)),
-        BLOCK_E=BLOCK_E,
-        BLOCK_K=min(split, 128),
-        DOT_F32=dot_f32,
-        PREC=prec,
+        **router_tiles(t, split, x.dtype),
         num_warps=4,
         **pdl_kwargs(x, "moe.router_partials"),
     )
     return out
 
 
-__all__ = ["BLOCK_E", "SPLIT_K", "check_router_args", "router_block", "router_partials"]
+__all__ = ["BLOCK_E", "SPLIT_K", "check_router_args", "router_block", "router_partials", "router_tiles"]

@@ -116,6 +116,15 @@ def check_route_args(e: int, top_k: int, correction_bias: torch.Tensor | None, e
         raise ValueError(f"extra_expert must be past the {e} routed experts, got {extra_expert}")
 
 
+def route_tiles(t: int, e: int, out_k: int, block_t: int | None = None) -> dict[str, int]:
+    """``route_rows``' blocks for T tokens over E experts writing ``out_k`` pairs a token. Few tokens a block: the
+    k argmax rounds are serial in a program (H200, kernel time, E=256: T=64 3.6 us at 2 tokens vs 11.4 at 16;
+    T=4096 12.6 us at 4 vs 14.4 at 16; bench/gpu_kernels_check.py)."""
+    block_e = next_pow2(e)
+    block_t = block_t or max(1, min(2 if t <= 1024 else 4, 4096 // block_e))
+    return {"BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": next_pow2(out_k)}
+
+
 def sigmoid_topk_route_triton(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
@@ -149,11 +158,8 @@ def sigmoid_topk_route_triton(
     ids = torch.empty(t, out_k, dtype=torch.int64, device=router_logits.device)
     if t == 0:
         return weights, ids
-    block_e = next_pow2(e)
-    # few tokens per program: the k argmax rounds are serial in a program (H200, kernel time, E=256: T=64
-    # 3.6 us at 2 tokens vs 11.4 at 16; T=4096 12.6 us at 4 vs 14.4 at 16; bench/gpu_kernels_check.py)
-    block_t = block_t or max(1, min(2 if t <= 1024 else 4, 4096 // block_e))
-    _sigmoid_topk_kernel[(triton.cdiv(t, block_t),)](
+    tiles = route_tiles(t, e, out_k, block_t)
+    _sigmoid_topk_kernel[(triton.cdiv(t, tiles["BLOCK_T"]),)](
         router_logits,
         correction_bias.contiguous() if correction_bias is not None else router_logits,
         weights,
@@ -169,13 +175,11 @@ def sigmoid_topk_route_triton(
         HAS_BIAS=correction_bias is not None,
         RENORM=renormalize,
         SPLITS=splits,
-        BLOCK_T=block_t,
-        BLOCK_E=block_e,
-        BLOCK_K=next_pow2(out_k),
+        **tiles,
         num_warps=4,
         **pdl_kwargs(weights, "moe.route"),
     )
     return weights, ids
 
 
-__all__ = ["check_route_args", "route_rows", "sigmoid_topk_route_triton"]
+__all__ = ["check_route_args", "route_rows", "route_tiles", "sigmoid_topk_route_triton"]
