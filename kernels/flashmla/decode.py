@@ -12,6 +12,11 @@ pages of 64 on sm90 — when its extension is built or buildable, else Triton; t
 
 The split plan: Tandem's own (kernels/flashmla/plan.py, ``TANDEM_FLASHMLA_PARTS``), or FlashMLA's planner with
 ``TANDEM_FLASHMLA_PARTS=flashmla``.
+
+The combine of a request's splits: Tandem's Triton kernel (kernels/flashmla/combine.py) after FlashMLA's split
+kernel alone, or FlashMLA's own ``combine.cu`` (``TANDEM_FLASHMLA_COMBINE``: ``auto``, the default, takes
+Triton's for batches of at most ``TRITON_COMBINE_MAX_BATCH`` where the extension binds the split kernel alone and
+Tandem planned; ``triton`` / ``flashmla`` force one).
 """
 
 from __future__ import annotations
@@ -35,6 +40,38 @@ def mla_decode_impl() -> str:
     if impl not in ("auto", "triton", "flashmla"):
         raise ValueError(f"TANDEM_MLA_DECODE_IMPL must be 'auto', 'triton' or 'flashmla', got {impl!r}")
     return impl
+
+
+COMBINE_ENV = "TANDEM_FLASHMLA_COMBINE"
+TRITON_COMBINE_MAX_BATCH = 4
+"""Auto takes the Triton combine up to this batch: FlashMLA's walks ~132 / batch splits a head serially, which
+costs most at batch 1 (one launch of split + combine on the H100, ``python -m bench.flashmla_parts``: 1 x 32k 41.8
+-> 31.3 us, 1 x 4k 18.0 -> 16.5), while from batch 16 its few splits a request beat the Triton kernel's one
+program per (request, head, 128 dims) (16 x 4k 41.0 -> 48.3 us, 64 x 4k 117.5 -> 146.5; docs/PERFORMANCE.md,
+thirtieth session)."""
+
+
+def combine_impl() -> str:
+    impl = os.environ.get(COMBINE_ENV, "auto")
+    if impl not in ("auto", "triton", "flashmla"):
+        raise ValueError(f"{COMBINE_ENV} must be 'auto', 'triton' or 'flashmla', got {impl!r}")
+    return impl
+
+
+def _triton_combine(ext, planned: bool, batch: int) -> bool:
+    """Whether this launch runs FlashMLA's split kernel alone and combines in Triton (``TANDEM_FLASHMLA_COMBINE``)."""
+    impl = combine_impl()
+    if impl == "flashmla" or (impl == "auto" and batch > TRITON_COMBINE_MAX_BATCH):
+        return False
+    usable = planned and hasattr(ext, "dense_decode_split_fwd")
+    if impl == "triton" and not usable:
+        why = (
+            "the built extension predates dense_decode_split_fwd: rebuild it (python -m kernels.flashmla.build)"
+            if planned
+            else "FlashMLA plans itself (TANDEM_FLASHMLA_PARTS=flashmla)"
+        )
+        raise ValueError(f"{COMBINE_ENV}=triton, but {why}")
+    return usable
 
 
 @functools.cache
@@ -174,17 +211,19 @@ def flashmla_decode_fwd(
     ctx_lens = ctx_lens.contiguous()
     shared = schedule.take(latent_cache.data_ptr()) if schedule is not None else None
     plan = shared if shared is not None else _split_plan(ctx_lens, h, num_parts, min_blocks)
-    o, _lse, sched_meta, num_splits = load_flashmla().dense_decode_fwd(
-        q,
-        latent_cache.unsqueeze(2),  # [pages, 64, 1 latent head, 576]
-        r,
-        ctx_lens,
-        block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous(),
-        float(scale),
-        False,
-        None if plan is None else plan[0],
-        None if plan is None else plan[1],
-    )
+    ext = load_flashmla()
+    kcache = latent_cache.unsqueeze(2)  # [pages, 64, 1 latent head, 576]
+    tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    if _triton_combine(ext, plan is not None, b):
+        from kernels.flashmla.combine import split_combine  # a Triton module: imported on use (see _split_plan)
+
+        sched_meta, num_splits = plan
+        o, lse_accum, o_accum = ext.dense_decode_split_fwd(q, kcache, r, ctx_lens, tables, float(scale), *plan)
+        split_combine(o_accum, lse_accum, num_splits, o, max_splits=sched_meta.shape[0])
+    else:
+        o, _lse, sched_meta, num_splits = ext.dense_decode_fwd(
+            q, kcache, r, ctx_lens, tables, float(scale), False, *(plan if plan is not None else (None, None))
+        )
     if schedule is not None and shared is None:
         schedule.plan = (sched_meta, num_splits)  # ours, or FlashMLA's when it planned
     o = o.view(b, h, r)
@@ -195,8 +234,11 @@ def flashmla_decode_fwd(
 
 
 __all__ = [
+    "COMBINE_ENV",
     "PAGE_SIZE",
+    "TRITON_COMBINE_MAX_BATCH",
     "DecodeSchedule",
+    "combine_impl",
     "flashmla_decode_fwd",
     "flashmla_unusable",
     "mla_decode_impl",
