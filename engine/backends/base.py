@@ -13,6 +13,17 @@ from engine.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
+class AddNorm:
+    """The norm after a block, handed to the block's backend to run in its last launch: the caller wants
+    ``(rms_norm(residual + y) * weight, residual + y)`` for the block's output y instead of y
+    (``MoEBackend.experts_add_norm``)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
 class MLADims:
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -190,6 +201,24 @@ class MoEBackend(ABC):
         separate MLP added after. The sum is the same function; a backend whose expert kernels take it in the
         same launches says yes (the GPU backend at decode sizes: three launches a MoE layer fewer)."""
         return False
+
+    def fuses_add_norm(self, num_tokens: int) -> bool:
+        """Whether ``experts_add_norm`` runs for a step of ``num_tokens`` rows (the layer asks first)."""
+        return False
+
+    def experts_add_norm(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+        w13: torch.Tensor,
+        add_norm: AddNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``experts`` followed by the next norm (``AddNorm``), where ``fuses_add_norm`` said yes."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse the next norm (fuses_add_norm is False)")
 
     @abstractmethod
     def experts(

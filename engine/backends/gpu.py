@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from engine.backends.base import AttentionBackend, MLADims, MoEBackend
+from engine.backends.base import AddNorm, AttentionBackend, MLADims, MoEBackend
 from engine.backends.fallback import fall_back
 from engine.backends.gpu_kda import GPUKDABackend, gpu_kda_backend
 from engine.backends.gpu_static import static_attn_meta, static_mla_parts
@@ -22,6 +22,7 @@ from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch, kv_write_fields
 from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
+from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_norm
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
@@ -193,6 +194,7 @@ class GPUMoEBackend(MoEBackend):
             )
         self.fold_shared = self.decode_kernels and os.environ.get("TANDEM_MOE_FOLD_SHARED", "1").strip() != "0"
         self.pair_rows = os.environ.get("TANDEM_MOE_PAIR_ROWS", "1").strip() != "0"
+        self.combine_norm = os.environ.get("TANDEM_MOE_COMBINE_NORM", "1").strip() != "0"
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -279,6 +281,32 @@ class GPUMoEBackend(MoEBackend):
         gate-up GEMM, SwiGLU and down GEMM. Longer steps keep it separate (its rows would walk its weights once
         per row block, the longest program of the launch)."""
         return self.fold_shared and 0 < num_tokens <= FOLD_SHARED_MAX_TOKENS and not self._decode_failed
+
+    def fuses_add_norm(self, num_tokens: int) -> bool:
+        """One-token steps on the pair-row decode kernels with the shared expert folded: the combine runs the next
+        layer's input norm (or the final norm) in its launch, one launch a MoE layer fewer
+        (kernels/moe/combine_norm.py; ``TANDEM_MOE_COMBINE_NORM=0`` keeps the norm's own launch)."""
+        return self.combine_norm and self.pair_rows and num_tokens == 1 and self.folds_shared(num_tokens)
+
+    def experts_add_norm(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+        w13: torch.Tensor,
+        add_norm: AddNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        an = add_norm
+        try:
+            y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), None, w13, w2, ids=ids.reshape(-1))
+            return moe_combine_add_norm(y, None, weights, an.residual, an.weight, an.eps, x.dtype)
+        except Exception as err:  # as in experts: the grouped path for good, the norm in torch after it
+            self._decode_failed = True
+            fall_back("MoE decode kernels", "decode steps use the grouped path", err)
+        return add_rms_norm_reference(self.experts(x, weights, ids, w1, w3, w2, w13), an.residual, an.weight, an.eps)
 
     def experts(
         self,

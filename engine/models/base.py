@@ -61,20 +61,32 @@ class CausalLM(nn.Module):
         taps: dict[int, torch.Tensor] = {}
         if -1 in self.aux_layer_ids:
             taps[-1] = h[batch.logits_indices]
+        normed = False
         for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, batch, cache, self.backends)  # layer i's output is h + residual
+            # layer i's output is h + residual, or with `normed` residual, h being the next norm's output
+            h, residual, normed = layer(h, residual, batch, cache, self.backends, normed, self._norm_after(i))
             if not self.fuse_residual:
                 h, residual = layer_output(h, residual), None
             if i in self.aux_layer_ids:
                 idx = batch.logits_indices
-                taps[i] = layer_output(h[idx], None if residual is None else residual[idx])
+                taps[i] = residual[idx] if normed else layer_output(h[idx], None if residual is None else residual[idx])
             for hook in self.layer_hooks:
                 hook(i, batch)
         if self.aux_layer_ids:
             self.aux_states = torch.cat([taps[i] for i in self.aux_layer_ids], dim=-1)
+        if normed:  # the last layer ran the final norm in its last launch
+            return h
         if residual is None:
             return self.model.norm(h, self.backends)
         return self.model.norm.add(h, residual, self.backends)[0]
+
+    def _norm_after(self, i: int) -> RMSNorm | None:
+        """The norm that follows layer i (the next layer's input norm, or the final norm), for the layer to run in
+        its last launch where its backend can (``PreNormDecoderLayer.feed_forward_add_norm``); None with the
+        residual adds unfused (``TANDEM_FUSED_RESIDUAL=0``), whose layers hand on their whole output."""
+        if not self.fuse_residual:
+            return None
+        return self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.model.norm
 
     def pack_weights(self) -> None:
         """Stack the weights that one input multiplies into one tensor per block (views keep the parameter

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.backends import Backends
-from engine.backends.base import MLADims
+from engine.backends.base import AddNorm, MLADims
 from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
@@ -216,7 +216,12 @@ class SparseMoE(nn.Module):
         ex.w1 = nn.Parameter(w13[:e, :i], requires_grad=False)
         ex.w3 = nn.Parameter(w13[:e, i:], requires_grad=False)
 
-    def forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
+    def fuses_add_norm(self, rows: int, be: Backends) -> bool:
+        """Whether ``forward(add_norm=...)`` runs the next norm in the experts' last launch at ``rows`` rows."""
+        return self._with_shared is not None and be.moe.folds_shared(rows) and be.moe.fuses_add_norm(rows)
+
+    def forward(self, x: torch.Tensor, be: Backends, add_norm: AddNorm | None = None):
+        """The block's output [T, H]; with ``add_norm`` (where ``fuses_add_norm``) the next norm's pair instead."""
         fold = self._with_shared is not None and be.moe.folds_shared(x.shape[0])
         weights, ids = be.moe.route_hidden(  # routing in fp32
             x,
@@ -230,7 +235,11 @@ class SparseMoE(nn.Module):
         )
         if fold:  # the shared expert is expert E, weight 1.0: summed with the routed ones in the same launches
             w1, w3, w2, w13 = self._with_shared
+            if add_norm is not None:
+                return be.moe.experts_add_norm(x, weights, ids, w1, w3, w2, w13, add_norm)
             return be.moe.experts(x, weights, ids, w1, w3, w2, w13=w13)
+        if add_norm is not None:
+            raise ValueError("add_norm needs the shared expert folded (fuses_add_norm is False for this step)")
         shared = self.shared_experts(x, be) if self.shared_experts is not None else None
         ex = self.experts
         return be.moe.experts(x, weights, ids, ex.w1, ex.w3, ex.w2, w13=self.w13, add=shared)  # routed + shared
@@ -261,6 +270,14 @@ class KimiDecoderLayer(PreNormDecoderLayer):
 
     def feed_forward_projected(self, projected: torch.Tensor, be: Backends) -> torch.Tensor:
         return self.mlp.from_gate_up(projected, be)
+
+    def feed_forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, be: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One-token GPU steps of a MoE layer: the experts' combine runs the next norm (kernels/moe/combine_norm.py)."""
+        if not self.is_moe or not self.block_sparse_moe.fuses_add_norm(x.shape[0], be):
+            return None
+        return self.block_sparse_moe(x, be, add_norm=AddNorm(residual, norm.weight, norm.eps))
 
 
 class KimiLinearForCausalLM(CausalLM):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,16 @@ class RMSNorm(nn.Module):
         return _norms(be).add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class LayerCarry(NamedTuple):
+    """What a decoder layer hands on: its last block's output ``h`` and the residual sum before it (the layer's
+    output is their sum), or, ``normed``, the next norm already run by the layer's last launch: ``h`` is that
+    norm's output and ``residual`` the layer's output."""
+
+    h: torch.Tensor
+    residual: torch.Tensor | None
+    normed: bool = False
+
+
 class PreNormDecoderLayer(nn.Module):
     """HF's pre-norm decoder layer — ``h + attn(norm(h))``, then ``+ mlp(norm(.))`` — with the residual sum
     carried to the next layer instead of added here (vLLM's ``(hidden, residual)`` form): every residual add
@@ -62,14 +72,32 @@ class PreNormDecoderLayer(nn.Module):
     def feed_forward_projected(self, projected: torch.Tensor, be: Backends) -> torch.Tensor:
         raise NotImplementedError
 
+    def feed_forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, be: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``norm.add(feed_forward(x), residual)`` where the MLP's last launch can run the norm too, else None."""
+        return None
+
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: CacheTensors, be: Backends
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        be: Backends,
+        normed: bool = False,
+        next_norm: RMSNorm | None = None,
+    ) -> LayerCarry:
         """(the previous layer's MLP output, the residual sum before it) -> this layer's pair; the layer's
         output is their sum (``layer_output``). residual None: ``h`` is the whole input (the embeddings, or a
-        pipeline stage's received hidden states)."""
-        fused = _norm_in_projection(self.input_layernorm, h, residual, self.attention_input_weight(h.shape[0]), be)
-        if fused is not None:  # one-row GPU steps: the norm inside the first projection's launch
+        pipeline stage's received hidden states). ``normed``: ``h`` is this layer's input norm's output already
+        (the previous layer's ``LayerCarry.normed``). ``next_norm``: the norm that follows this layer (the next
+        layer's input norm, or the final one), which the layer may run in its last launch (then ``normed``)."""
+        if normed:
+            h = self.self_attn(h, batch, cache, be)
+        elif (
+            fused := _norm_in_projection(self.input_layernorm, h, residual, self.attention_input_weight(h.shape[0]), be)
+        ) is not None:  # one-row GPU steps: the norm inside the first projection's launch
             projected, residual = fused
             h = self.self_attn(projected, batch, cache, be, projected=True)
         else:
@@ -81,9 +109,11 @@ class PreNormDecoderLayer(nn.Module):
         fused = _norm_in_projection(self.post_attention_layernorm, h, residual, self.mlp_input_weight(h.shape[0]), be)
         if fused is not None:
             projected, residual = fused
-            return self.feed_forward_projected(projected, be), residual
+            return LayerCarry(self.feed_forward_projected(projected, be), residual)
         x, residual = self.post_attention_layernorm.add(h, residual, be)
-        return self.feed_forward(x, be), residual
+        if next_norm is not None and (pair := self.feed_forward_add_norm(x, residual, next_norm, be)) is not None:
+            return LayerCarry(*pair, normed=True)
+        return LayerCarry(self.feed_forward(x, be), residual)
 
 
 def _norm_in_projection(

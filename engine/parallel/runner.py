@@ -79,7 +79,7 @@ class StageRunner:
             if -1 in captured:
                 captured[-1].append(self._rows(h, local, mb_host))
             for i in self.stage.layers:
-                h, residual = self.model.model.layers[i](h, residual, local, self.cache, self.model.backends)
+                h, residual, _ = self.model.model.layers[i](h, residual, local, self.cache, self.model.backends)
                 if i in captured:
                     captured[i].append(self._rows(layer_output(h, residual), local, mb_host))
                 for hook in self.model.layer_hooks:

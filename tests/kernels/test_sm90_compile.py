@@ -44,6 +44,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     want = {"_gemv_kernel", "_paged_attn_fwd_kernel"} | (
         {"_add_norm_gemv_kernel", "_gated_norm_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel"}
         | {"_router_route_kernel", "_sigmoid_topk_kernel"}  # one-row steps route in one launch, batched in two
+        | {"_moe_combine_add_norm_kernel"}  # one-row steps: the next norm in the combine
         if arch == "kimi_linear"
         else set()
     )
@@ -58,6 +59,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
 def test_gpu_only_decode_kernels_compile_for_the_h200():
     """The decode kernels the host engine does not launch (greedy argmax on the device, FlashMLA's split plan, the
     router GEMV, the split-key merge, the block align of long steps), called directly in bf16 and fp32."""
+    from kernels.flashmla.combine import split_combine
     from kernels.flashmla.plan import even_blocks_plan
     from kernels.moe.align import moe_align_blocks
     from kernels.moe.router import router_partials
@@ -70,6 +72,14 @@ def test_gpu_only_decode_kernels_compile_for_the_h200():
             argmax_rows(torch.randn(3, 1000, generator=g).to(dtype))
             router_partials(torch.randn(1, 256, generator=g).to(dtype), torch.randn(64, 256, generator=g).to(dtype))
         even_blocks_plan(torch.tensor([4096, 70], dtype=torch.int32), 16, 16, 4)
+        cum = torch.tensor([0, 5, 6], dtype=torch.int32)  # FlashMLA's split accumulators at 32 heads x 512
+        split_combine(
+            torch.randn(8, 32, 512, generator=g),
+            torch.randn(8, 32, generator=g),
+            cum,
+            torch.zeros(2, 32, 512, dtype=torch.bfloat16),
+            132,
+        )
         moe_align_blocks(torch.randint(0, 16, (40, 8), generator=g), 16, block=64)
         kv = torch.randn(8, 64, 2, 2, 32, generator=g)  # pages of 64, K | V, 2 KV heads of 32
         tables = [torch.arange(5), torch.arange(5, 6)]
@@ -77,6 +87,7 @@ def test_gpu_only_decode_kernels_compile_for_the_h200():
     launches = _ours(seen)
     kernels = {x.kernel for x in launches}
     want = {"_chunk_max_kernel", "_row_argmax_kernel", "_router_partials_kernel", "_even_blocks_plan_kernel"}
+    want |= {"_split_combine_kernel"}
     want |= {"_block_counts_kernel", "_block_rows_kernel", "_block_place_kernel", "_merge_splits_kernel"}
     assert want <= kernels, sorted(want - kernels)
     assert compile_errors(launches) == []
