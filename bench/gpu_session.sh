@@ -63,6 +63,9 @@
 #                                            # with the default tiles and with the sweep's best (two processes)
 #   bash bench/gpu_session.sh fused-route    # 1 x H200: the router + top-k launch's tests, b1 at 4k / 32k fused
 #                                            # (TANDEM_MOE_FUSED_ROUTE_ROWS=1) and not (0), the one-row agreement
+#   bash bench/gpu_session.sh combine-norm   # 1 x H200: the FlashMLA Triton combine's and the MoE combine + norm's
+#                                            # tests, the one-row agreement, b1 / b16 at 4k / 32k new vs old
+#                                            # (TANDEM_FLASHMLA_COMBINE=flashmla TANDEM_MOE_COMBINE_NORM=0), twice
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -91,7 +94,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -174,6 +177,15 @@ case "$step" in
         --out "$OUT/decode_timeline_b1_fused_route$v.json" 2>&1 | grep "a step"; done
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time \
       2>&1 | grep -v -i warn | tee "$OUT/agreement_fused_route.txt" ;;
+  combine-norm) python -m pytest -q -p no:cacheprovider tests/kernels/test_flashmla_combine.py \
+      tests/kernels/test_moe_combine_norm.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_combine_norm.txt"
+    python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time \
+      2>&1 | grep -v -i warn | tee "$OUT/agreement_combine_norm.txt"
+    for i in 1 2; do for v in new old; do echo "== $v, run $i"
+      if [ "$v" = old ]; then export TANDEM_FLASHMLA_COMBINE=flashmla TANDEM_MOE_COMBINE_NORM=0; fi
+      python -m bench.decode_timeline --ctx 4096 32768 --batches 1 16 --steps 30 \
+        --out "$OUT/decode_timeline_combine_norm_${v}_$i.json" 2>&1 | grep "a step"
+      unset TANDEM_FLASHMLA_COMBINE TANDEM_MOE_COMBINE_NORM; done; done ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \
