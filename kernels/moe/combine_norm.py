@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe.combine import weighted_expert_sum
 from kernels.moe.grouped import moe_combine
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, next_pow2
@@ -47,14 +48,7 @@ def _moe_combine_add_norm_kernel(
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in tl.static_range(TOP_K):
-        if PAIR_ORDER:
-            row = t * TOP_K + s
-        else:
-            row = tl.load(ROWS + t * TOP_K + s)
-        w = tl.load(W + t * TOP_K + s).to(tl.float32)
-        acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+    acc = weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K, PAIR_ORDER)
     # the combine's output as the separate launch stores it, then fla's add-norm on it
     x = acc.to(OUT.dtype.element_ty).to(tl.float32)
     x += tl.load(RESIDUAL + t * stride_res + cols, mask=m, other=0.0).to(tl.float32)
