@@ -47,6 +47,9 @@ class CausalLM(nn.Module):
         """Called after each layer with (layer index, batch): the P/D producer streams the layer's
         finished pages and state from here while the next layers compute."""
         self.fuse_residual = fused_residual_adds()
+        self.fuse_next_norm = True
+        """Layers may run the norm after them in their last launch (``_norm_after``); off under TP, whose hooks
+        all-reduce each block's partial output, which must not be normed first (engine/parallel/tp.py)."""
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -84,7 +87,7 @@ class CausalLM(nn.Module):
         """The norm that follows layer i (the next layer's input norm, or the final norm), for the layer to run in
         its last launch where its backend can (``PreNormDecoderLayer.feed_forward_add_norm``); None with the
         residual adds unfused (``TANDEM_FUSED_RESIDUAL=0``), whose layers hand on their whole output."""
-        if not self.fuse_residual:
+        if not (self.fuse_residual and self.fuse_next_norm):
             return None
         return self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.model.norm
 

@@ -113,6 +113,7 @@ class TPPlan:
         def reduce(_m: nn.Module, _inp: object, out: torch.Tensor) -> torch.Tensor:
             return groups.all_reduce(out)
 
+        model.fuse_next_norm = False  # a block's output is a partial sum until the hook below: no norm inside it
         for layer in model.model.layers:
             for name in ("self_attn", "mlp", "block_sparse_moe"):
                 block = getattr(layer, name, None)

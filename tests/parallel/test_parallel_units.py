@@ -309,3 +309,17 @@ def test_segment_plan_moves_every_row_to_its_segment_and_back(size):
         real = len(range(r, t, size))
         assert back[r][:real].tolist() == list(range(r, t, size))
         assert back[r][real:].tolist() == [-1] * (local_rows - real)  # padding: nobody sends it
+
+
+def test_tp_reductions_keep_the_next_norm_out_of_the_blocks(tiny_models):
+    """Under TP a block's output is a partial sum until its all-reduce hook: no layer may run the norm after it
+    inside the block (``CausalLM._norm_after`` gives None once the reductions are installed); tp=1 installs none."""
+    from engine.models.registry import build_model
+
+    cfg = load_model_config(tiny_models["kimi_linear"])
+    for tp, fused in ((1, True), (2, False)):
+        model = build_model(cfg)
+        assert model._norm_after(0) is model.layers[1].input_layernorm
+        TPPlan(cfg, tp, 0, False).install_reductions(model, groups=None)
+        assert model.fuse_next_norm is fused
+        assert (model._norm_after(len(model.layers) - 1) is model.model.norm) is fused
