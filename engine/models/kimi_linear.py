@@ -218,7 +218,7 @@ class SparseMoE(nn.Module):
 
     def fuses_add_norm(self, rows: int, be: Backends) -> bool:
         """Whether ``forward(add_norm=...)`` runs the next norm in the experts' last launch at ``rows`` rows."""
-        return self._with_shared is not None and be.moe.folds_shared(rows) and be.moe.fuses_add_norm(rows)
+        return self._with_shared is not None and be.moe.fuses_add_norm(rows)  # the backend's asks folds_shared
 
     def forward(self, x: torch.Tensor, be: Backends, add_norm: AddNorm | None = None):
         """The block's output [T, H]; with ``add_norm`` (where ``fuses_add_norm``) the next norm's pair instead."""

@@ -78,6 +78,20 @@ class PreNormDecoderLayer(nn.Module):
         """``norm.add(feed_forward(x), residual)`` where the MLP's last launch can run the norm too, else None."""
         return None
 
+    def _norm_and_attend(
+        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: CacheTensors, be: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention(input_norm(h + residual)), h + residual)."""
+        fused = _norm_in_projection(self.input_layernorm, h, residual, self.attention_input_weight(h.shape[0]), be)
+        if fused is not None:  # one-row GPU steps: the norm inside the first projection's launch
+            projected, residual = fused
+            return self.self_attn(projected, batch, cache, be, projected=True), residual
+        if residual is None:
+            x, residual = self.input_layernorm(h, be), h
+        else:
+            x, residual = self.input_layernorm.add(h, residual, be)
+        return self.self_attn(x, batch, cache, be), residual
+
     def forward(
         self,
         h: torch.Tensor,
@@ -95,17 +109,8 @@ class PreNormDecoderLayer(nn.Module):
         layer's input norm, or the final one), which the layer may run in its last launch (then ``normed``)."""
         if normed:
             h = self.self_attn(h, batch, cache, be)
-        elif (
-            fused := _norm_in_projection(self.input_layernorm, h, residual, self.attention_input_weight(h.shape[0]), be)
-        ) is not None:  # one-row GPU steps: the norm inside the first projection's launch
-            projected, residual = fused
-            h = self.self_attn(projected, batch, cache, be, projected=True)
         else:
-            if residual is None:
-                x, residual = self.input_layernorm(h, be), h
-            else:
-                x, residual = self.input_layernorm.add(h, residual, be)
-            h = self.self_attn(x, batch, cache, be)
+            h, residual = self._norm_and_attend(h, residual, batch, cache, be)
         fused = _norm_in_projection(self.post_attention_layernorm, h, residual, self.mlp_input_weight(h.shape[0]), be)
         if fused is not None:
             projected, residual = fused
