@@ -14,6 +14,7 @@ from engine.backends.base import AttentionBackend, KDABackend, MoEBackend
 from engine.backends.dense import TorchDense, TritonDense, gpu_dense_backend
 from engine.backends.greedy import TorchGreedy, TritonGreedy
 from engine.backends.norm import TorchNormBackend
+from engine.backends.prefetch import NoPrefetch
 from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend
 
 
@@ -25,6 +26,7 @@ class Backends:
     norm: TorchNormBackend = field(default_factory=TorchNormBackend)
     greedy: TorchGreedy = field(default_factory=TorchGreedy)
     dense: TorchDense = field(default_factory=TorchDense)
+    l2: NoPrefetch = field(default_factory=NoPrefetch)
 
 
 def select_backends(device: torch.device) -> Backends:
@@ -53,6 +55,7 @@ def select_backends(device: torch.device) -> Backends:
     if device.type == "cuda" and choice != "torch":
         from engine.backends.gpu import GPUAttentionBackend, GPUMoEBackend, gpu_kda_backend
         from engine.backends.norm import gpu_norm_backend
+        from engine.backends.prefetch import gpu_prefetch_backend
 
         return Backends(
             GPUAttentionBackend(),
@@ -61,6 +64,7 @@ def select_backends(device: torch.device) -> Backends:
             gpu_norm_backend(),
             TritonGreedy(),
             gpu_dense_backend(),
+            gpu_prefetch_backend(),
         )
     return Backends(TorchAttentionBackend(), TorchKDABackend(), TorchMoEBackend())
 

@@ -92,6 +92,7 @@ class KimiDeltaAttention(nn.Module):
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
             packed = x if projected else self.in_proj(x, be)
+            be.l2.weights(t, self.o_proj.weight)  # read after the conv and the recurrence, which leave HBM idle
             qkv, fg_a, b = packed.split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
             # [2, T, K] (a strided view: cuBLAS reads it in place) @ [2, K, P] -> g_raw | the output gate
             g_raw, out_gate = torch.bmm(fg_a.view(t, 2, hd).transpose(0, 1), self.fg_b.transpose(1, 2))
@@ -164,6 +165,7 @@ class KimiMLAAttention(nn.Module):
             q, kv_a = self.q_kv_a(x, be).split(self.q_kv_a.sizes, dim=-1)  # column views of one GEMM's output
         else:
             q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        be.l2.weights(t, self.o_proj.weight)  # read after the attention's split and combine
         kv_pages = cache.kv[self.layer_idx]
         norm = self.kv_a_layernorm
         be.attention.write_mla_latent(kv_pages, batch, kv_a, self.dims.kv_lora_rank, norm.weight, norm.eps, be.norm)
@@ -192,6 +194,9 @@ class SparseMoE(nn.Module):
         self._with_shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """(w1, w3, w2, w13) over E + 1 experts, the shared one last (pack_weights, when it has the routed
         experts' shape): steps whose backend ``folds_shared`` route it as expert E with weight 1.0."""
+        self._shared_streams: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The folded shared expert's gate | up [2I, H] and down [H, I], each contiguous: what every step reads
+        whatever the routing, so ``prefetch`` can ask for them before the route is known."""
 
     def pack_weights(self) -> None:
         """One [E (+1), 2I, H] gate | up tensor and one [E (+1), H, I] down tensor; a shared expert of the routed
@@ -212,9 +217,15 @@ class SparseMoE(nn.Module):
             sh.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
             ex.w2 = nn.Parameter(w2[:e], requires_grad=False)
             self._with_shared = (w13[:, :i], w13[:, i:], w2, w13)
+            self._shared_streams = (w13[e], w2[e])
         self.w13 = w13[:e]
         ex.w1 = nn.Parameter(w13[:e, :i], requires_grad=False)
         ex.w3 = nn.Parameter(w13[:e, i:], requires_grad=False)
+
+    def prefetch(self, rows: int, be: Backends) -> None:
+        """Ask ``be.l2`` for the folded shared expert's weights (the routed ones are known only after the route)."""
+        if self._shared_streams is not None and be.moe.folds_shared(rows):
+            be.l2.weights(rows, *self._shared_streams)
 
     def fuses_add_norm(self, rows: int, be: Backends) -> bool:
         """Whether ``forward(add_norm=...)`` runs the next norm in the experts' last launch at ``rows`` rows."""
@@ -263,6 +274,10 @@ class KimiDecoderLayer(PreNormDecoderLayer):
 
     def attention_input_weight(self, rows: int) -> torch.Tensor | None:
         return self.self_attn.input_weight(rows)
+
+    def prefetch_feed_forward(self, rows: int, be: Backends) -> None:
+        if self.is_moe:
+            self.block_sparse_moe.prefetch(rows, be)
 
     def mlp_input_weight(self, rows: int) -> torch.Tensor | None:
         """The dense MLP's packed gate | up (a MoE block's input has several consumers: the router, the experts)."""

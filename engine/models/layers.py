@@ -78,6 +78,10 @@ class PreNormDecoderLayer(nn.Module):
         """``norm.add(feed_forward(x), residual)`` where the MLP's last launch can run the norm too, else None."""
         return None
 
+    def prefetch_feed_forward(self, rows: int, be: Backends) -> None:
+        """Ask ``be.l2`` for the MLP weights it will read first, as the attention's output is ready (the norm and
+        the routing run before the MLP streams them)."""
+
     def _norm_and_attend(
         self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: CacheTensors, be: Backends
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +115,7 @@ class PreNormDecoderLayer(nn.Module):
             h = self.self_attn(h, batch, cache, be)
         else:
             h, residual = self._norm_and_attend(h, residual, batch, cache, be)
+        self.prefetch_feed_forward(h.shape[0], be)
         fused = _norm_in_projection(self.post_attention_layernorm, h, residual, self.mlp_input_weight(h.shape[0]), be)
         if fused is not None:
             projected, residual = fused
