@@ -48,6 +48,7 @@ class Qwen3Attention(nn.Module):
             q, k, v = self.qkv(x, be).split(self.qkv.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        be.l2.weights(t, self.o_proj.weight)  # read after the norms, the cache write and the attention
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim), be)
         k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim), be)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)

@@ -195,6 +195,22 @@ def test_one_row_steps_ask_for_the_weights_after_each_window(tiny_models, monkey
     )
 
 
+@pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; the GPU test below runs the real prefetch")
+def test_qwen3_steps_ask_for_o_proj(tiny_models):
+    import dataclasses
+
+    from engine.sampling_params import SamplingParams
+    from tests.conftest import make_engine, random_prompts
+    from tests.kernels.test_gpu_backend import gpu_backends
+
+    eng = make_engine(tiny_models["qwen3"])
+    rec = _Recorder()
+    eng.model.backends = dataclasses.replace(gpu_backends(), l2=rec)
+    eng.generate(random_prompts(1, [11], seed=3), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    want = [(layer.self_attn.o_proj.weight.data_ptr(),) for layer in eng.model.layers]
+    assert sorted(p for rows, p in rec.calls if rows == 1) == sorted(want * 2)
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="the prefetch instruction runs on a CUDA GPU only")
 def test_engine_tokens_unchanged_by_the_prefetch(tiny_models, monkeypatch):
     from engine.backends import select_backends
