@@ -107,6 +107,7 @@ class KimiDeltaAttention(nn.Module):
             qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, b, state, batch
         )
         o, norm = o.to(x.dtype), self.o_norm
+        be.l2.join()
         fused = be.dense.gated_norm_linear(o.reshape(t, h * hd), out_gate, norm.weight, norm.eps, self.o_proj.weight)
         if fused is not None:  # one-row GPU steps: the norm inside the projection's launch
             return fused
@@ -172,6 +173,7 @@ class KimiMLAAttention(nn.Module):
         o = be.attention.mla(
             q.view(t, self.num_heads, -1), kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale
         )
+        be.l2.join()
         return project(o.reshape(t, -1), self.o_proj.weight, be)
 
 
@@ -244,6 +246,7 @@ class SparseMoE(nn.Module):
             self.cfg.routed_scaling_factor,
             extra_expert=self.experts.w1.shape[0] if fold else None,
         )
+        be.l2.join()  # the shared expert's prefetch (``prefetch``), before the experts read it
         if fold:  # the shared expert is expert E, weight 1.0: summed with the routed ones in the same launches
             w1, w3, w2, w13 = self._with_shared
             if add_norm is not None:

@@ -56,6 +56,7 @@ class Qwen3Attention(nn.Module):
         kv_pages = cache.kv[self.layer_idx]
         be.attention.write_kv(kv_pages, batch, torch.stack([k, v], dim=1))
         o = be.attention.gqa(q, kv_pages, batch, self.scale)
+        be.l2.join()
         return project(o.reshape(t, -1), self.o_proj.weight, be)
 
 

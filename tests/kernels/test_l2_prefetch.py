@@ -121,6 +121,34 @@ def test_prefetch_leaves_every_output_unchanged():
     assert torch.equal(y, before)
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="the prefetch instruction runs on a CUDA GPU only")
+def test_forked_prefetch_joins_eagerly_and_in_a_graph():
+    """The engine's form: the prefetch on a side stream, the reader after ``join``; captured, the fork and the join
+    are edges of the graph (capture fails on a fork left open)."""
+    from engine.backends.prefetch import L2Prefetch
+    from kernels.gemv.triton import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(2304, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = gemv(x, w)
+    be = L2Prefetch(max_rows=1)
+    be.weights(1, w)
+    assert be._pending is not None
+    be.join()
+    assert be._pending is None and torch.equal(gemv(x, w), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.weights(1, w)
+        torch.cuda._sleep(10_000)
+        be.join()
+        y = gemv(x, w)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
+
+
 # ---- the backend and the engine ----------------------------------------------------------------------------------
 
 
@@ -152,13 +180,33 @@ def test_backend_asks_at_few_rows_on_cuda_only(monkeypatch):
 
 
 class _Recorder:
+    """Records the model's asks (rows, data pointers) and its joins (``"join"``) in order."""
+
     max_rows = 1
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, tuple[int, ...]]] = []
+        self.log: list[tuple[int, tuple[int, ...]] | str] = []
+
+    @property
+    def calls(self) -> list[tuple[int, tuple[int, ...]]]:
+        return [x for x in self.log if x != "join"]
 
     def weights(self, rows: int, *tensors: torch.Tensor) -> None:
-        self.calls.append((rows, tuple(t.data_ptr() for t in tensors)))
+        self.log.append((rows, tuple(t.data_ptr() for t in tensors)))
+
+    def join(self) -> None:
+        self.log.append("join")
+
+    def assert_each_ask_joined(self) -> None:
+        """Every ask is followed by a join before the next ask (the reader waits for its own prefetch)."""
+        open_ask = None
+        for x in self.log:
+            if x == "join":
+                open_ask = None
+            else:
+                assert open_ask is None, f"{open_ask} asked and never joined before {x}"
+                open_ask = x
+        assert open_ask is None
 
 
 @pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; the GPU test below runs the real prefetch")
@@ -186,6 +234,7 @@ def test_one_row_steps_ask_for_the_weights_after_each_window(tiny_models, monkey
     ]
     one_row = [ptrs for rows, ptrs in rec.calls if rows == 1]
     assert sorted(one_row) == sorted(per_step * (params.max_tokens - 1))
+    rec.assert_each_ask_joined()
     assert {rows for rows, _ in rec.calls} == {1, 23}  # the prefill asks too; the backend drops long steps
     moe = next(layer.block_sparse_moe for layer in layers if layer.is_moe)
     gate_up, down = moe._shared_streams
@@ -209,6 +258,7 @@ def test_qwen3_steps_ask_for_o_proj(tiny_models):
     eng.generate(random_prompts(1, [11], seed=3), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     want = [(layer.self_attn.o_proj.weight.data_ptr(),) for layer in eng.model.layers]
     assert sorted(p for rows, p in rec.calls if rows == 1) == sorted(want * 2)
+    rec.assert_each_ask_joined()
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the prefetch instruction runs on a CUDA GPU only")
@@ -222,7 +272,7 @@ def test_engine_tokens_unchanged_by_the_prefetch(tiny_models, monkeypatch):
     outs = {}
     for rows in ("0", "1"):
         monkeypatch.setenv("TANDEM_L2_PREFETCH_ROWS", rows)
-        eng = make_engine(tiny_models["kimi_linear"], dtype="bfloat16")
+        eng = make_engine(tiny_models["kimi_linear"], device="cuda", dtype="bfloat16", cuda_graphs=True)
         assert type(eng.model.backends.l2) is type(select_backends(torch.device("cuda")).l2)
         outs[rows] = [eng.generate([p], params)[0].output_token_ids for p in prompts]
     assert outs["1"] == outs["0"]
