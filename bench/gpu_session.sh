@@ -66,6 +66,8 @@
 #   bash bench/gpu_session.sh combine-norm   # 1 x H200: the FlashMLA Triton combine's and the MoE combine + norm's
 #                                            # tests, the one-row agreement, b1 / b16 at 4k / 32k new vs old
 #                                            # (TANDEM_FLASHMLA_COMBINE=flashmla TANDEM_MOE_COMBINE_NORM=0), twice
+#   bash bench/gpu_session.sh l2-prefetch    # 1 x H200: the prefetch's tests, bench/l2_prefetch.py (forked and serial),
+#                                            # then b1 at 4k / 32k with TANDEM_L2_PREFETCH_ROWS=0 / 1, twice
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -94,7 +96,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -186,6 +188,12 @@ case "$step" in
       python -m bench.decode_timeline --ctx 4096 32768 --batches 1 16 --steps 30 \
         --out "$OUT/decode_timeline_combine_norm_${v}_$i.json" 2>&1 | grep "a step"
       unset TANDEM_FLASHMLA_COMBINE TANDEM_MOE_COMBINE_NORM; done; done ;;
+  l2-prefetch) python -m pytest -q -p no:cacheprovider tests/kernels/test_l2_prefetch.py 2>&1 | tail -3 \
+      | tee "$OUT/gpu_tests_l2_prefetch.txt"
+    python -m bench.l2_prefetch --out "$OUT/l2_prefetch.json" 2>&1 | grep -v -i warn | tee "$OUT/l2_prefetch.txt"
+    for i in 1 2; do for v in 0 1; do echo "== TANDEM_L2_PREFETCH_ROWS=$v, run $i"
+      TANDEM_L2_PREFETCH_ROWS=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 30 \
+        --out "$OUT/decode_timeline_b1_l2_prefetch${v}_$i.json" 2>&1 | grep "a step"; done; done ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \
