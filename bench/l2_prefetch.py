@@ -16,6 +16,7 @@ than what L2 keeps)."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def run(gaps: list[float], chunks: list[int], modes: list[str]) -> dict:
                 gemv(x, w)
 
         hot = graph_us(consume, iters=ITERS)
-        for mode, chunk, gap in [(m, c, g) for m in modes for c in chunks for g in gaps]:
+        for mode, chunk, gap in itertools.product(modes, chunks, gaps):
             pf.CHUNK_BYTES = chunk
             spin = int(gap * cyc)
 

@@ -74,13 +74,9 @@ class L2Prefetch(NoPrefetch):
 def gpu_prefetch_backend() -> NoPrefetch:
     """``TANDEM_L2_PREFETCH_ROWS``: steps of at most this many rows prefetch their next weights, 0 (default) none."""
     raw = os.environ.get("TANDEM_L2_PREFETCH_ROWS", "0").strip() or "0"
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = -1
-    if rows < 0:
+    if not raw.isdigit():
         raise ValueError(f"TANDEM_L2_PREFETCH_ROWS must be a row count >= 0, got {raw!r}")
-    return L2Prefetch(rows) if rows else NoPrefetch()
+    return L2Prefetch(int(raw)) if int(raw) else NoPrefetch()
 
 
 __all__ = ["L2Prefetch", "NoPrefetch", "gpu_prefetch_backend"]

@@ -3,9 +3,11 @@
 A batch-1 decode step alternates bandwidth-bound launches (the projections' and experts' weight streams) with
 latency-bound ones (the short conv, the KDA recurrence, the attention's split and combine, the norms, the routing)
 that leave HBM idle for 8-30 us at a time. Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2.global``, PTX 8.0,
-sm_90) asks the TMA unit to pull a byte range into L2 and returns at once: a launch of one warp a program issues
-one instruction a lane, and the copy engine keeps fetching after the programs exit. The GEMV that follows the
-window then finds its weight in L2 (50 MB on the H100 / H200). A prefetch is a hint: it changes no memory a kernel
+sm_90) asks the TMA unit to pull a byte range into L2: a launch of one warp a program issues one instruction a
+lane. Its programs retire only once the copy unit has taken their requests (4-4.5 us for 19 MB on the H100,
+``bench/l2_prefetch.py``), so the engine launches it on a side stream (engine/backends/prefetch.py) where that
+overlaps the window's launches. The GEMV that follows the window then finds its weight in L2 (50 MB on the
+H100 / H200). A prefetch is a hint: it changes no memory a kernel
 reads, so every output is the same with and without it; a range that is evicted before use costs only its bytes.
 
 Contract: every byte of each range is covered exactly once by 16-byte-aligned pieces of at most ``chunk`` bytes
