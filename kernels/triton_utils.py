@@ -61,3 +61,19 @@ def as_index_tensor(x: Sequence[int] | torch.Tensor, device: torch.device, name:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
         return x.to(device=device, dtype=torch.int32)
     return torch.tensor(list(x), dtype=torch.int32, device=device)
+
+
+class LaunchTicket:
+    """The ticket of a launch whose last program finishes the work (kernels/moe/route_fused.py,
+    kernels/gemv/norm_after.py): one zeroed int32 per device, made outside any CUDA graph capture (a tensor made
+    inside one would be zeroed by a memset node on every replay) and reused by every launch on that device; each
+    launch puts it back to 0."""
+
+    def __init__(self) -> None:
+        self._tickets: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        t = self._tickets.get(device)
+        if t is None:
+            t = self._tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return t

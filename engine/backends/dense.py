@@ -5,9 +5,13 @@ bandwidth unused (kernels/gemv/triton.py's docstring; ``bench/gemv_sweep.py``)."
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.backends.base import AddNorm
 
 
 class TorchDense:
@@ -16,10 +20,30 @@ class TorchDense:
         return F.linear(x, weight)
 
     def gated_norm_linear(
-        self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-    ) -> torch.Tensor | None:
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        norm_after: AddNorm | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """KDA's output norm and projection in one launch where this backend fuses them (x, gate [T, H * D]);
-        None means it does not: the caller runs the norm, then ``linear``."""
+        with ``norm_after`` the norm after the projection too (its pair returned: ``linear_norm_after``). None means
+        it does not: the caller runs the norm, then ``linear`` (or ``linear_norm_after``)."""
+        return None
+
+    def fuses_norm_after(self, rows: int) -> bool:
+        """Whether ``linear_norm_after`` (and ``gated_norm_linear`` with ``norm_after``) may run the norm after a
+        projection in its launch at steps of ``rows`` rows: a layer asks before it hands its attention the
+        post-attention norm."""
+        return False
+
+    def linear_norm_after(
+        self, x: torch.Tensor, weight: torch.Tensor, norm_after: AddNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(residual + x @ weight^T) * w, residual + x @ weight^T) in one launch where this backend fuses
+        them; None means it does not: the caller runs ``linear``, then the norm."""
         return None
 
     def add_norm_linear(
@@ -46,36 +70,81 @@ class TritonDense(TorchDense):
     """kernels/gemv for 2-D x of 1..``max_rows`` rows on CUDA (and on the host under TRITON_INTERPRET=1);
     everything else, longer steps included, through ``F.linear``."""
 
-    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS, add_norm: bool = False) -> None:
+    def __init__(self, max_rows: int = DENSE_GEMV_MAX_ROWS, add_norm: bool = False, norm_after: bool = True) -> None:
+        from kernels.gemv import gated_norm
         from kernels.gemv.add_norm import add_norm_gemv, add_norm_gemv_fits
-        from kernels.gemv.gated_norm import gated_norm_gemv, gated_norm_gemv_fits
-        from kernels.gemv.triton import GEMV_MAX_ROWS, gemv
-        from kernels.triton_utils import is_interpreting
+        from kernels.gemv.norm_after import NormAfter
+        from kernels.gemv.triton import GEMV_MAX_ROWS, gemv, gemv_norm_after
+        from kernels.triton_utils import LaunchTicket, is_interpreting
 
         if not 0 <= max_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"max_rows must be in 0..{GEMV_MAX_ROWS}, got {max_rows}")
         self.max_rows = max_rows
         self.add_norm = add_norm
-        self._gemv = gemv
-        self._gated_norm_gemv, self._gated_fits = gated_norm_gemv, gated_norm_gemv_fits
+        self.norm_after = norm_after
+        self._gemv, self._gemv_norm_after = gemv, gemv_norm_after
+        self._gated_norm_gemv, self._gated_fits = gated_norm.gated_norm_gemv, gated_norm.gated_norm_gemv_fits
+        self._gated_norm_gemv_norm_after = gated_norm.gated_norm_gemv_norm_after
+        self._norm_after_args, self._ticket = NormAfter, LaunchTicket()
         self._add_norm_gemv, self._add_norm_fits = add_norm_gemv, add_norm_gemv_fits
         self._is_interpreting = is_interpreting
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         fits = x.ndim == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == weight.dtype
-        if fits and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or self._is_interpreting()):
+        return fits and x.stride(1) == 1 and weight.stride(1) == 1 and (x.is_cuda or self._is_interpreting())
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._takes(x, weight):
             return self._gemv(x, weight)
         return F.linear(x, weight)
 
     def gated_norm_linear(
-        self, x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-    ) -> torch.Tensor | None:
-        """One-row steps (``max_rows`` >= 1): kernels/gemv/gated_norm.py, the norm inside the GEMV's loads."""
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        norm_after: AddNorm | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """One-row steps (``max_rows`` >= 1): kernels/gemv/gated_norm.py, the norm inside the GEMV's loads (and the
+        norm after it by the last program: ``linear_norm_after``)."""
         if self.max_rows < 1 or not (x.is_cuda or self._is_interpreting()):
             return None
         if not self._gated_fits(x, gate, weight, norm_weight.numel()):
             return None
-        return self._gated_norm_gemv(x, gate, norm_weight, eps, weight)
+        if norm_after is None:
+            return self._gated_norm_gemv(x, gate, norm_weight, eps, weight)
+        if not self._norm_after_fits(x, weight, norm_after):
+            return None
+        return self._gated_norm_gemv_norm_after(x, gate, norm_weight, eps, weight, self._after(x, norm_after))
+
+    def fuses_norm_after(self, rows: int) -> bool:
+        """One-row steps with ``norm_after`` on (``TANDEM_GEMV_NORM_AFTER``): kernels/gemv/norm_after.py."""
+        return self.norm_after and rows == 1 <= self.max_rows
+
+    def linear_norm_after(
+        self, x: torch.Tensor, weight: torch.Tensor, norm_after: AddNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._takes(x, weight) or not self._norm_after_fits(x, weight, norm_after):
+            return None
+        return self._gemv_norm_after(x, weight, self._after(x, norm_after))
+
+    def _norm_after_fits(self, x: torch.Tensor, weight: torch.Tensor, an: AddNorm) -> bool:
+        n = weight.shape[0]
+        r = an.residual
+        return (
+            self.fuses_norm_after(x.shape[0])
+            and n > 0
+            and r.shape == (1, n)
+            and r.stride(1) == 1
+            and an.weight.shape == (n,)
+            and r.device == an.weight.device == x.device
+        )
+
+    def _after(self, x: torch.Tensor, an: AddNorm):
+        """The kernels' ``NormAfter`` (the ticket is made on the first call: an eager step, before any capture)."""
+        return self._norm_after_args(an.residual, an.weight, an.eps, self._ticket.get(x.device))
 
     def add_norm_linear(
         self,
@@ -97,13 +166,20 @@ def gpu_dense_backend() -> TorchDense:
     """``TANDEM_GEMV``: ``1`` (default) the skinny GEMM for one-row steps, ``0`` cuBLAS for every projection.
     ``TANDEM_GEMV_ADD_NORM``: ``1`` each layer's input norm inside its first projection at one row, ``0`` (default)
     the norm's own launch: on the H200 the fused form made a b1 step ~24 us slower (966 -> 990 us at 4k; every
-    program re-reads the whole row for its sum of squares), docs/PERFORMANCE.md, twenty-eighth session."""
-    choice = os.environ.get("TANDEM_GEMV", "1").strip()
-    add_norm = os.environ.get("TANDEM_GEMV_ADD_NORM", "0").strip()
-    for name, value in (("TANDEM_GEMV", choice), ("TANDEM_GEMV_ADD_NORM", add_norm)):
+    program re-reads the whole row for its sum of squares), docs/PERFORMANCE.md, twenty-eighth session.
+    ``TANDEM_GEMV_NORM_AFTER``: ``1`` (default) the post-attention norm run by the last program of the attention's
+    output projection at one row (kernels/gemv/norm_after.py), ``0`` its own launch."""
+    switches = {
+        name: os.environ.get(name, default).strip()
+        for name, default in (("TANDEM_GEMV", "1"), ("TANDEM_GEMV_ADD_NORM", "0"), ("TANDEM_GEMV_NORM_AFTER", "1"))
+    }
+    for name, value in switches.items():
         if value not in ("0", "1"):
             raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return TritonDense(add_norm=add_norm == "1") if choice == "1" else TorchDense()
+    if switches["TANDEM_GEMV"] == "0":
+        return TorchDense()
+    on = {name: value == "1" for name, value in switches.items()}
+    return TritonDense(add_norm=on["TANDEM_GEMV_ADD_NORM"], norm_after=on["TANDEM_GEMV_NORM_AFTER"])
 
 
 __all__ = ["DENSE_GEMV_MAX_ROWS", "TorchDense", "TritonDense", "gpu_dense_backend"]

@@ -22,7 +22,9 @@ from engine.models.layers import (
     PackedProjection,
     PreNormDecoderLayer,
     RMSNorm,
+    norm_after_output,
     project,
+    project_norm_after,
 )
 
 
@@ -80,14 +82,35 @@ class KimiDeltaAttention(nn.Module):
         return self.in_proj.weight if self.in_proj is not None and self.fg_b is not None else None
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, projected: bool = False
-    ) -> torch.Tensor:
-        """x [T, hidden], or with ``projected`` x already through in_proj ([T, 3P + 2K + H]: ``input_weight``)."""
-        return be.kda.run_mixer(lambda xs, bs: self._mix(xs, bs, cache, be, projected), x, batch)
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        be: Backends,
+        projected: bool = False,
+        norm_after: AddNorm | None = None,
+    ):
+        """x [T, hidden], or with ``projected`` x already through in_proj ([T, 3P + 2K + H]: ``input_weight``) ->
+        the output [T, hidden], or with ``norm_after`` the pair of the norm after it (``project_norm_after``)."""
+
+        def mix(xs: torch.Tensor, bs: ForwardBatch):
+            # the norm after the projection only in x's own row layout (PCP's run_mixer may hand over another)
+            return self._mix(xs, bs, cache, be, projected, norm_after if xs is x else None)
+
+        out = be.kda.run_mixer(mix, x, batch)
+        if norm_after is None or isinstance(out, tuple):
+            return out
+        return norm_after_output(out, norm_after, be)
 
     def _mix(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, projected: bool = False
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        be: Backends,
+        projected: bool = False,
+        norm_after: AddNorm | None = None,
+    ):
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
@@ -108,10 +131,12 @@ class KimiDeltaAttention(nn.Module):
         )
         o, norm = o.to(x.dtype), self.o_norm
         be.l2.join()
-        fused = be.dense.gated_norm_linear(o.reshape(t, h * hd), out_gate, norm.weight, norm.eps, self.o_proj.weight)
-        if fused is not None:  # one-row GPU steps: the norm inside the projection's launch
+        o_flat, w = o.reshape(t, h * hd), self.o_proj.weight
+        fused = be.dense.gated_norm_linear(o_flat, out_gate, norm.weight, norm.eps, w, norm_after=norm_after)
+        if fused is not None:  # one-row GPU steps: the norm inside the projection's launch (and the one after it)
             return fused
-        return project(norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd), self.o_proj.weight, be)
+        normed = norm(o, out_gate.view(t, h, hd), be).reshape(t, h * hd)
+        return project(normed, w, be) if norm_after is None else project_norm_after(normed, w, norm_after, be)
 
 
 PACKED_QKV_A_MAX_ROWS = 256
@@ -156,9 +181,16 @@ class KimiMLAAttention(nn.Module):
         return self.q_kv_a.weight if self.q_kv_a is not None and rows <= PACKED_QKV_A_MAX_ROWS else None
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, projected: bool = False
-    ) -> torch.Tensor:
-        """x [T, hidden], or with ``projected`` x already through q | kv_a (``input_weight``)."""
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: CacheTensors,
+        be: Backends,
+        projected: bool = False,
+        norm_after: AddNorm | None = None,
+    ):
+        """x [T, hidden], or with ``projected`` x already through q | kv_a (``input_weight``) -> the output
+        [T, hidden], or with ``norm_after`` the pair of the norm after it (``project_norm_after``)."""
         t = x.shape[0]
         if projected:
             q, kv_a = x.split(self.q_kv_a.sizes, dim=-1)
@@ -174,6 +206,8 @@ class KimiMLAAttention(nn.Module):
             q.view(t, self.num_heads, -1), kv_pages, batch, self.kv_b_proj.weight, self.dims, self.scale
         )
         be.l2.join()
+        if norm_after is not None:
+            return project_norm_after(o.reshape(t, -1), self.o_proj.weight, norm_after, be)
         return project(o.reshape(t, -1), self.o_proj.weight, be)
 
 

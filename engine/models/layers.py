@@ -14,6 +14,7 @@ from kernels.activation import silu_mul
 
 if TYPE_CHECKING:
     from engine.backends import Backends
+    from engine.backends.base import AddNorm
     from engine.cache.tensors import CacheTensors
     from engine.forward_batch import ForwardBatch
 
@@ -82,19 +83,27 @@ class PreNormDecoderLayer(nn.Module):
         """Ask ``be.l2`` for the MLP weights it will read first, as the attention's output is ready (the norm and
         the routing run before the MLP streams them)."""
 
-    def _norm_and_attend(
-        self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cache: CacheTensors, be: Backends
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention(input_norm(h + residual)), h + residual)."""
+    def _input_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None, be: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(input_norm(h + residual), h + residual, False), or with ``projected`` True the norm's output already
+        through the attention's first projection (one-row GPU steps: the norm inside that launch)."""
         fused = _norm_in_projection(self.input_layernorm, h, residual, self.attention_input_weight(h.shape[0]), be)
-        if fused is not None:  # one-row GPU steps: the norm inside the first projection's launch
-            projected, residual = fused
-            return self.self_attn(projected, batch, cache, be, projected=True), residual
+        if fused is not None:
+            return fused[0], fused[1], True
         if residual is None:
-            x, residual = self.input_layernorm(h, be), h
-        else:
-            x, residual = self.input_layernorm.add(h, residual, be)
-        return self.self_attn(x, batch, cache, be), residual
+            return self.input_layernorm(h, be), h, False
+        return *self.input_layernorm.add(h, residual, be), False
+
+    def _post_attention_norm(self, rows: int, residual: torch.Tensor, fuse: bool, be: Backends) -> AddNorm | None:
+        """The post-attention norm for the attention's output projection to run (``project_norm_after``) where the
+        dense backend fuses it at ``rows`` rows and ``fuse`` (the model lets blocks run the norms after them)."""
+        from engine.backends.base import AddNorm
+
+        if not fuse or not be.dense.fuses_norm_after(rows):
+            return None
+        norm = self.post_attention_layernorm
+        return AddNorm(residual, norm.weight, norm.eps)
 
     def forward(
         self,
@@ -110,17 +119,26 @@ class PreNormDecoderLayer(nn.Module):
         output is their sum (``layer_output``). residual None: ``h`` is the whole input (the embeddings, or a
         pipeline stage's received hidden states). ``normed``: ``h`` is this layer's input norm's output already
         (the previous layer's ``LayerCarry.normed``). ``next_norm``: the norm that follows this layer (the next
-        layer's input norm, or the final one), which the layer may run in its last launch (then ``normed``)."""
-        if normed:
-            h = self.self_attn(h, batch, cache, be)
+        layer's input norm, or the final one), which the layer may run in its last launch (then ``normed``); given,
+        the attention may also run the post-attention norm in its last launch."""
+        projected = False
+        if not normed:
+            h, residual, projected = self._input_norm(h, residual, be)
+        assert residual is not None  # a normed input carries the layer's input as its residual
+        after = self._post_attention_norm(h.shape[0], residual, next_norm is not None, be)
+        kw = {"projected": True} if projected else {}  # an attention without input_weight takes no such argument
+        if after is not None:  # one-row GPU steps: the norm in the last program of the output projection
+            x, residual = self.self_attn(h, batch, cache, be, norm_after=after, **kw)
+            self.prefetch_feed_forward(x.shape[0], be)
         else:
-            h, residual = self._norm_and_attend(h, residual, batch, cache, be)
-        self.prefetch_feed_forward(h.shape[0], be)
-        fused = _norm_in_projection(self.post_attention_layernorm, h, residual, self.mlp_input_weight(h.shape[0]), be)
-        if fused is not None:
-            projected, residual = fused
-            return LayerCarry(self.feed_forward_projected(projected, be), residual)
-        x, residual = self.post_attention_layernorm.add(h, residual, be)
+            h = self.self_attn(h, batch, cache, be, **kw)
+            self.prefetch_feed_forward(h.shape[0], be)
+            mlp_weight = self.mlp_input_weight(h.shape[0])
+            fused = _norm_in_projection(self.post_attention_layernorm, h, residual, mlp_weight, be)
+            if fused is not None:
+                projected_mlp, residual = fused
+                return LayerCarry(self.feed_forward_projected(projected_mlp, be), residual)
+            x, residual = self.post_attention_layernorm.add(h, residual, be)
         if next_norm is not None and (pair := self.feed_forward_add_norm(x, residual, next_norm, be)) is not None:
             return LayerCarry(*pair, normed=True)
         return LayerCarry(self.feed_forward(x, be), residual)
@@ -184,6 +202,20 @@ def project(x: torch.Tensor, weight: torch.Tensor, be: Backends | None) -> torch
     """x @ weight^T for an ``nn.Linear`` weight without bias, through the step's dense backend when given (the
     skinny GEMM of decode-sized steps on CUDA), else ``F.linear``."""
     return be.dense.linear(x, weight) if be is not None else F.linear(x, weight)
+
+
+def project_norm_after(
+    x: torch.Tensor, weight: torch.Tensor, norm_after: AddNorm, be: Backends
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention's output projection followed by the post-attention norm (``norm_after``): one launch where the
+    dense backend fuses them (``linear_norm_after``), else the projection, then the norm."""
+    fused = be.dense.linear_norm_after(x, weight, norm_after)
+    return fused if fused is not None else norm_after_output(project(x, weight, be), norm_after, be)
+
+
+def norm_after_output(y: torch.Tensor, norm_after: AddNorm, be: Backends) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + y) * w, residual + y)``: the norm after a block, run on its own."""
+    return _norms(be).add_rms_norm(y, norm_after.residual, norm_after.weight, norm_after.eps)
 
 
 class PackedProjection(nn.Module):

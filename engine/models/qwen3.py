@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from engine.backends import Backends
+from engine.backends.base import AddNorm
 from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
@@ -17,6 +18,7 @@ from engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     project,
+    project_norm_after,
 )
 
 
@@ -42,7 +44,11 @@ class Qwen3Attention(nn.Module):
     def pack_weights(self) -> None:
         self.qkv = PackedProjection([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: CacheTensors, be: Backends, norm_after: AddNorm | None = None
+    ):
+        """x [T, hidden] -> the output [T, hidden], or with ``norm_after`` the pair of the norm after it
+        (``project_norm_after``)."""
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x, be).split(self.qkv.sizes, dim=-1)
@@ -57,6 +63,8 @@ class Qwen3Attention(nn.Module):
         be.attention.write_kv(kv_pages, batch, torch.stack([k, v], dim=1))
         o = be.attention.gqa(q, kv_pages, batch, self.scale)
         be.l2.join()
+        if norm_after is not None:
+            return project_norm_after(o.reshape(t, -1), self.o_proj.weight, norm_after, be)
         return project(o.reshape(t, -1), self.o_proj.weight, be)
 
 

@@ -1,9 +1,15 @@
 """Skinny GEMM (GEMV) for decode-sized steps: y = x @ W^T with few rows of x. ``gemv`` (Triton) loads lazily."""
 
-from kernels.gemv.naive import naive_add_norm_gemv, naive_gated_norm_gemv, naive_gemv
+from kernels.gemv.naive import (
+    add_rms_norm_reference,
+    naive_add_norm_gemv,
+    naive_gated_norm_gemv,
+    naive_gemv,
+    naive_gemv_norm_after,
+)
 
-_TRITON = ("gemv", "gemv_tile", "GemvTile", "GEMV_MAX_ROWS")
-_GATED = ("gated_norm_gemv", "gated_norm_gemv_fits")
+_TRITON = ("gemv", "gemv_norm_after", "gemv_tile", "GemvTile", "GEMV_MAX_ROWS")
+_GATED = ("gated_norm_gemv", "gated_norm_gemv_fits", "gated_norm_gemv_norm_after")
 _ADD_NORM = ("add_norm_gemv", "add_norm_gemv_fits")
 
 
@@ -28,11 +34,15 @@ __all__ = [
     "GemvTile",
     "add_norm_gemv",
     "add_norm_gemv_fits",
+    "add_rms_norm_reference",
     "gated_norm_gemv",
     "gated_norm_gemv_fits",
+    "gated_norm_gemv_norm_after",
     "gemv",
+    "gemv_norm_after",
     "gemv_tile",
     "naive_add_norm_gemv",
     "naive_gated_norm_gemv",
     "naive_gemv",
+    "naive_gemv_norm_after",
 ]

@@ -1,4 +1,5 @@
-"""Reference: a dense projection of a decode step's rows, as ``F.linear`` computes it."""
+"""Reference: a dense projection of a decode step's rows, as ``F.linear`` computes it, and the norms the fused
+one-row kernels run before or after it."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def naive_add_norm_gemv(
     s = x.float() if residual is None else x.float() + residual.float()
     normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     return naive_gemv(normed.to(x.dtype), weight), (x if residual is None else s.to(x.dtype))
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's ``layer_norm_fwd(x, weight, residual=residual, is_rms_norm=True)`` in torch: the sum in fp32, stored in
+    residual's dtype, normalised in fp32 and cast to x's dtype (the GPU norm backend's numerics)."""
+    s = x.float() + residual.float()
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return normed.to(x.dtype), s.to(residual.dtype)
+
+
+def naive_gemv_norm_after(
+    y: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm after a projection (kernels/gemv/norm_after.py) on the projection's output y as it stores it
+    (``naive_gemv`` or ``naive_gated_norm_gemv``): ``add_rms_norm_reference(y, residual, ...)``."""
+    if y.ndim != 2 or residual.shape != y.shape or norm_weight.shape != (y.shape[1],):
+        raise ValueError(
+            f"y [M, N], residual like y, norm_weight [N]; got {tuple(y.shape)}, {tuple(residual.shape)}, "
+            f"{tuple(norm_weight.shape)}"
+        )
+    return add_rms_norm_reference(y, residual, norm_weight, eps)

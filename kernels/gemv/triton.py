@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv.norm_after import NormAfter, no_norm_after_args, norm_after_last_program, norm_after_outputs
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
@@ -64,6 +65,12 @@ def _gemv_kernel(
     stride_x,
     stride_w,
     stride_y,
+    RES,  # the norm after (NORM_AFTER, one row): kernels/gemv/norm_after.py
+    NW,
+    OUT,
+    RES_OUT,
+    TICKET,
+    eps,
     ONE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -71,6 +78,8 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    NORM_AFTER: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -91,6 +100,8 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, axis=1)
         tl.store(Y + o_n, y.to(Y.dtype.element_ty), mask=m_n)
+        if NORM_AFTER:
+            norm_after_last_program(Y, RES, NW, OUT, RES_OUT, TICKET, N, eps, BLOCK_H)
     else:
         o_m = tl.arange(0, BLOCK_M)
         m_m = o_m < M
@@ -114,25 +125,54 @@ def gemv(
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype (fp32 sums), 1 <= M <= ``GEMV_MAX_ROWS``. x may be a row-
     strided view; both need a unit stride on K. Written into ``out`` ([M, N], unit column stride) when given."""
-    check_device("gemv", x, weight)
+    out = _checked_out("gemv", x, weight, out)
+    m, k = x.shape
+    if m == 0 or out.shape[1] == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    _launch(x, weight, out, tile, None)
+    return out
+
+
+def gemv_norm_after(
+    x: torch.Tensor, weight: torch.Tensor, after: NormAfter, tile: GemvTile | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: y = x [1, K] @ weight [N, K]^T, then ``(rms_norm(after.residual + y) * after.weight, after.residual
+    + y)`` by the launch's last program (kernels/gemv/norm_after.py) -> (the norm's output [1, N] in x's dtype,
+    the new residual [1, N] in the residual's dtype)."""
+    y = _checked_out("gemv_norm_after", x, weight, None)
+    if x.shape[0] != 1 or x.shape[1] == 0 or y.shape[1] == 0:
+        raise ValueError(f"gemv_norm_after takes one row of K > 0 columns and N > 0 outputs, got x {tuple(x.shape)} "
+                         f"and weight {tuple(weight.shape)}")  # fmt: skip
+    out, res_out, args = norm_after_outputs(after, y, "gemv_norm_after")
+    _launch(x, weight, y, tile, args)
+    return out, res_out
+
+
+def _checked_out(name: str, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    check_device(name, x, weight)
     if x.ndim != 2 or weight.ndim != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight need a unit stride on K")
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows of x (a decode-sized step), got {m}")
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or (m and out.stride(1) != 1):
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or (m and out.stride(1) != 1):
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} on {x.device} with a unit column stride")
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
+    return out
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: GemvTile | None, after: dict[str, object] | None
+) -> None:
+    (m, k), n = x.shape, weight.shape[0]
     tile = tile or gemv_tile(m, n, k)
     if m > 1 and tile.block_n < 16:
         raise ValueError(f"rows > 1 run tl.dot: block_n must be >= 16, got {tile.block_n}")
@@ -148,6 +188,7 @@ def gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        **(after or no_norm_after_args(out)),
         ONE_ROW=m == 1,
         BLOCK_M=16,
         BLOCK_N=tile.block_n,
@@ -155,11 +196,11 @@ def gemv(
         EVEN_K=k % block_k == 0,
         DOT_F32=dot_f32,
         PREC=prec,
+        NORM_AFTER=after is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl_kwargs(x, "gemv.gemv"),
     )
-    return out
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_tile"]
+__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_norm_after", "gemv_tile"]

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv.naive import add_rms_norm_reference
 from kernels.moe.combine import weighted_expert_sum
 from kernels.moe.grouped import moe_combine
 from kernels.pdl import pdl_enter, pdl_kwargs
@@ -121,16 +122,6 @@ def naive_combine_add_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract: ``moe_combine``, then ``add_rms_norm_reference``."""
     return add_rms_norm_reference(moe_combine(y, rows, weights, out_dtype), residual, norm_weight, eps)
-
-
-def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's ``layer_norm_fwd(x, weight, residual=residual, is_rms_norm=True)`` in torch: the sum in fp32, stored in
-    residual's dtype, normalised in fp32 and cast to x's dtype (the GPU norm backend's numerics)."""
-    s = x.float() + residual.float()
-    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return normed.to(x.dtype), s.to(residual.dtype)
 
 
 __all__ = ["add_rms_norm_reference", "moe_combine_add_norm", "naive_combine_add_norm"]

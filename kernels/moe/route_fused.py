@@ -9,9 +9,9 @@ stored; the program that draws the last ticket has seen every other program's st
 ticket), adds the partials in split order and routes the rows (``route_rows``, the top-k kernel's body), then puts
 the ticket back to 0 for the next launch — so the result is the unfused pair's bit for bit, in one launch.
 
-The ticket is one int32 on the device that must be 0 before a launch (``RouteTicket``); launches that share it
-must not overlap (one stream: the decode step's layers run in order). Rows are routed by one program, serially,
-so this is for steps of a few rows (``FUSED_ROUTE_MAX_ROWS`` in engine/backends/gpu.py).
+The ticket is one int32 on the device that must be 0 before a launch (``RouteTicket``, a ``LaunchTicket``); launches
+that share it must not overlap (one stream: the decode step's layers run in order). Rows are routed by one program,
+serially, so this is for steps of a few rows (``FUSED_ROUTE_MAX_ROWS`` in engine/backends/gpu.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import triton.language as tl
 from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
 from kernels.moe.triton import check_route_args, route_rows, route_tiles
 from kernels.pdl import pdl_enter, pdl_kwargs
+from kernels.triton_utils import LaunchTicket as RouteTicket
 
 
 @triton.jit
@@ -73,20 +74,6 @@ def _router_route_kernel(
                 TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K, ".cg",
             )  # fmt: skip
         tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")  # no program of this launch touches it again
-
-
-class RouteTicket:
-    """The fused route's ticket: one zeroed int32 per device, made outside any CUDA graph capture (a tensor made
-    inside one would be zeroed by a memset node on every replay) and reused by every launch on that device."""
-
-    def __init__(self) -> None:
-        self._tickets: dict[torch.device, torch.Tensor] = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        t = self._tickets.get(device)
-        if t is None:
-            t = self._tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
-        return t
 
 
 def router_route(

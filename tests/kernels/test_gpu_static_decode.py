@@ -106,7 +106,8 @@ def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
     # every input norm through its first projection: none run by the MoE combine before it (test_moe_combine_norm.py)
     monkeypatch.setenv("TANDEM_MOE_COMBINE_NORM", "0")
     calls = {"gemv": 0, "gated": 0, "add_norm": 0}
-    dense = TritonDense(add_norm=True)  # off by default (slower on the H200), kept correct
+    # add_norm: off by default (slower on the H200), kept correct; the norm after o_proj: test_gemv_norm_after.py
+    dense = TritonDense(add_norm=True, norm_after=False)
     gemv, gated, add_norm = dense._gemv, dense._gated_norm_gemv, dense._add_norm_gemv
     dense._gemv = lambda *a, **k: calls.__setitem__("gemv", calls["gemv"] + 1) or gemv(*a, **k)
     dense._gated_norm_gemv = lambda *a, **k: calls.__setitem__("gated", calls["gated"] + 1) or gated(*a, **k)

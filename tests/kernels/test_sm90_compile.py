@@ -52,6 +52,10 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     if arch == "kimi_linear":
         pair_rows = {x for x in launches if x.kernel == "_gate_up_kernel" and ("PAIR_ROWS", True) in x.constexprs}
         assert pair_rows and len(launches) > len(pair_rows)
+    # one-row steps: the post-attention norm in the output projection's last program (kernels/gemv/norm_after.py)
+    o_proj = {"_gemv_kernel"} | ({"_gated_norm_gemv_kernel"} if arch == "kimi_linear" else set())
+    norm_after = {x.kernel for x in launches if ("NORM_AFTER", True) in x.constexprs}
+    assert o_proj <= norm_after, sorted(norm_after)
     print(f"{len(launches)} launches of {len(kernels)} kernels: {sorted(kernels)}")
     assert compile_errors(launches) == []
 
