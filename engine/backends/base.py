@@ -138,6 +138,27 @@ class KDABackend(ABC):
         g = self.gate(g_raw, a_log, dt_bias, g_raw.shape[-1] // beta.shape[-1])
         return self.conv_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch)
 
+    def low_rank_conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        fg_a: torch.Tensor,
+        fg_b: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        beta_logits: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate's and the output gate's up-projections of their low-rank halves fg_a [T, 2, K] (f_a | g_a)
+        through fg_b [2, P, K] (f_b | g_b) -> (g_raw, out_gate) [T, P] each, then ``gated_conv_recurrence`` with
+        g_raw: the packed KDA layer's call -> (o, out_gate), so a backend may run the up-projections inside its
+        conv launch (the GPU backend at decode steps: kernels/short_conv/low_rank.py)."""
+        g_raw, out_gate = torch.bmm(fg_a.transpose(0, 1), fg_b.transpose(1, 2))  # [2, T, K] @ [2, K, P]
+        args = (g_raw, a_log, dt_bias, beta_logits, state_cache, batch)
+        return self.gated_conv_recurrence(qkv, conv_cache, conv_weight, *args), out_gate
+
     @abstractmethod
     def recurrence(
         self,

@@ -21,7 +21,7 @@ from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
 from kernels.short_conv.planes import conv_planes
-from kernels.short_conv.triton import short_conv_update, write_windows
+from kernels.short_conv.triton import LowRankUp, short_conv_update, write_windows
 from kernels.triton_utils import is_interpreting
 from kernels.upload import StaticUploads
 
@@ -55,6 +55,16 @@ kernel's formula (the same fp32 ops); beta stays fp32 instead of being rounded t
 ``TANDEM_KDA_DECODE_GATE_IN_KERNEL=0`` gates and takes the sigmoid first (A/B runs)."""
 
 
+LOW_RANK_IN_CONV = os.environ.get("TANDEM_KDA_LOW_RANK_IN_CONV", "1").strip() != "0"
+"""All-decode steps of at most ``LOW_RANK_MAX_ROWS`` rows run the f_b | g_b up-projections in the short conv's launch
+(kernels/short_conv/low_rank.py) instead of their own batched GEMM: one launch a KDA layer fewer.
+``TANDEM_KDA_LOW_RANK_IN_CONV=0`` keeps the GEMM (A/B runs)."""
+LOW_RANK_MAX_ROWS = 1
+"""Rows up to which the conv's extra programs take the up-projections. On the H100 (docs/PERFORMANCE.md,
+thirty-second session) b1 steps gained 18 us, b16 lost 7-15 us and b64 66-75 us (each of those programs walks every
+row of its channels, after the conv's programs); 2-8 rows were not timed."""
+
+
 class GPUKDABackend(KDABackend):
     """Short conv with the slot-indexed Triton kernel (fla's ``causal_conv1d`` for steps with a chunk of at
     least ``FLA_CONV_MIN_LEN`` tokens: 2-3x faster there); the recurrence with fla-core.
@@ -86,6 +96,9 @@ class GPUKDABackend(KDABackend):
         """Prefill-only steps: the gate applied inside chunk_fn (``GATE_IN_CHUNK``)."""
         self.decode_gate_in_kernel = DECODE_GATE_IN_KERNEL if decode_gate_in_kernel is None else decode_gate_in_kernel
         """All-decode steps: the gate and beta's sigmoid applied inside fla's recurrent kernel."""
+        self.low_rank_max_rows = LOW_RANK_MAX_ROWS if LOW_RANK_IN_CONV else 0
+        """All-decode steps of at most this many rows (with ``decode_gate_in_kernel``): the up-projections in the
+        conv's launch; 0: never."""
         if planes_min_len is None and CONV_PLANES:
             planes_min_len = PLANES_MIN_LEN
         self.planes_min_len = planes_min_len
@@ -156,12 +169,18 @@ class GPUKDABackend(KDABackend):
         return q, k, v
 
     def _conv(
-        self, x: torch.Tensor, conv_cache: torch.Tensor, weight: torch.Tensor, batch: ForwardBatch, planes: int
+        self,
+        x: torch.Tensor,
+        conv_cache: torch.Tensor,
+        weight: torch.Tensor,
+        batch: ForwardBatch,
+        planes: int,
+        low_rank: LowRankUp | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         m = self._meta(batch, x.device)
         self._conv_checkpoints(x, conv_cache, weight.shape[1] - 1, m)
         x = x if x.stride(1) == 1 else x.contiguous()  # the q|k|v column view runs as is: no copy
-        if self._fla_conv_fits(x, batch, m):
+        if low_rank is None and self._fla_conv_fits(x, batch, m):
             try:
                 step = self._step.get(
                     batch,
@@ -173,7 +192,9 @@ class GPUKDABackend(KDABackend):
                 self._fla_conv_failed = True
                 fall_back("fla causal_conv1d", "prefill short conv uses the slot kernel", err)
         w = weight.contiguous()
-        return short_conv_update(x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes)
+        return short_conv_update(
+            x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes, low_rank=low_rank
+        )
 
     @staticmethod
     def _conv_checkpoints(x: torch.Tensor, conv_cache: torch.Tensor, w1: int, m: KDAStep | KDADecodeStep) -> None:
@@ -266,6 +287,35 @@ class GPUKDABackend(KDABackend):
             return self._planes_recurrence(qkv, conv_cache, conv_weight, g, beta, state_cache, batch, gate)
         q, k, v = (z.reshape(g.shape) for z in self.short_conv_qkv(qkv, conv_cache, conv_weight, batch))
         return self.recurrence(q, k, v, g, beta, state_cache, batch, gate=gate)
+
+    def low_rank_conv_recurrence(
+        self,
+        qkv: torch.Tensor,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        fg_a: torch.Tensor,
+        fg_b: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        beta_logits: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-decode steps of at most ``low_rank_max_rows`` rows: the up-projections by
+        extra programs of the conv's launch, then fla's recurrent kernel with the raw gate as
+        ``gated_conv_recurrence`` gives it; other steps as the base."""
+        t, h = beta_logits.shape
+        m = self._meta(batch, qkv.device)
+        take = self.decode_gate_in_kernel and m.all_decode and 0 < t <= self.low_rank_max_rows
+        if not take or fg_a.stride(2) != 1 or fg_b.stride(2) != 1 or fg_a.dtype != fg_b.dtype:
+            args = (fg_a, fg_b, a_log, dt_bias, beta_logits, state_cache, batch)
+            return super().low_rank_conv_recurrence(qkv, conv_cache, conv_weight, *args)
+        up = fg_a.new_empty(2, t, fg_b.shape[1])  # g_raw | the output gate, as the batched GEMM lays them out
+        y = self._conv(qkv, conv_cache, conv_weight, batch, planes=3, low_rank=LowRankUp(fg_a, fg_b, up))
+        q, k, v = (z.reshape(t, h, -1) for z in (y if isinstance(y, tuple) else y.unbind(0)))
+        gate = (a_log, dt_bias)
+        o = self.recurrence(q, k, v, up[0].view(t, h, -1), beta_logits, state_cache, batch, gate=gate, beta_logits=True)
+        return o, up[1]
 
     def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: KDAStep | KDADecodeStep, head_dim: int) -> bool:
         """Prefill-only steps with a long chunk (decode rows would be normed again by the recurrent kernel)."""

@@ -112,23 +112,26 @@ class KimiDeltaAttention(nn.Module):
         norm_after: AddNorm | None = None,
     ):
         t, h, hd = x.shape[0], self.num_heads, self.head_dim
+        conv, state = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
+        # g_raw [T, H*K]: the gate (log-space decay), and b: beta's logits [T, H], are applied by the backend
+        # (inside its decode kernel on the GPU)
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
             packed = x if projected else self.in_proj(x, be)
             be.l2.weights(t, self.o_proj.weight)  # read after the conv and the recurrence, which leave HBM idle
             qkv, fg_a, b = packed.split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
-            # [2, T, K] (a strided view: cuBLAS reads it in place) @ [2, K, P] -> g_raw | the output gate
-            g_raw, out_gate = torch.bmm(fg_a.view(t, 2, hd).transpose(0, 1), self.fg_b.transpose(1, 2))
+            # f_a | g_a [T, 2, K] (a strided view, read in place) through f_b | g_b [2, P, K]: g_raw | the output gate
+            o, out_gate = be.kda.low_rank_conv_recurrence(
+                qkv, conv, self.conv_weight(), fg_a.view(t, 2, hd), self.fg_b, self.A_log, self.dt_bias, b, state,
+                batch,
+            )  # fmt: skip
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
             f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
             g_raw, out_gate = self.f_b_proj(f_a), self.g_b_proj(g_a)
-        conv, state = cache.conv[self.layer_idx], cache.recurrent[self.layer_idx]
-        # g_raw [T, H*K]: the gate (log-space decay), and b: beta's logits [T, H], are applied by the backend
-        # (inside its decode kernel on the GPU)
-        o = be.kda.gated_conv_recurrence(
-            qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, b, state, batch
-        )
+            o = be.kda.gated_conv_recurrence(
+                qkv, conv, self.conv_weight(), g_raw, self.A_log, self.dt_bias, b, state, batch
+            )
         o, norm = o.to(x.dtype), self.o_norm
         be.l2.join()
         o_flat, w = o.reshape(t, h * hd), self.o_proj.weight

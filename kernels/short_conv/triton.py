@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_kwargs
-from kernels.triton_utils import check_device, next_pow2
+from kernels.short_conv.low_rank import LowRankUp, low_rank_tiles, low_rank_up_block
+from kernels.triton_utils import check_device, dot_config, next_pow2
 from kernels.upload import upload
 
 
@@ -46,6 +47,17 @@ def _short_conv_kernel(
     stride_w_c,
     T_CHUNK,
     N_CHUNKS,
+    LR_A,  # KDA's up-projections (LOW_RANK): kernels/short_conv/low_rank.py
+    LR_B,
+    LR_OUT,
+    LR_T,
+    LR_P,
+    LR_K,
+    LR_BLOCKS,
+    stride_lr_a_t,
+    stride_lr_a_j,
+    stride_lr_b_j,
+    stride_lr_b_c,
     KW: tl.constexpr,
     SPEC: tl.constexpr,
     HAS_ACC: tl.constexpr,
@@ -54,12 +66,27 @@ def _short_conv_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    LOW_RANK: tl.constexpr,
+    LR_BLOCK_C: tl.constexpr,
+    LR_BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     i_n = tl.program_id(0)
     i_c = tl.program_id(1)
     i_t = tl.program_id(2)
+    if LOW_RANK:  # the last row of programs runs the up-projections; the conv's columns may be fewer
+        if i_n == tl.num_programs(0) - 1:
+            if (i_c < LR_BLOCKS) & (i_t == 0):
+                low_rank_up_block(
+                    LR_A, LR_B, LR_OUT, i_c, LR_T, LR_P, LR_K, stride_lr_a_t, stride_lr_a_j, stride_lr_b_j,
+                    stride_lr_b_c, LR_BLOCK_C, LR_BLOCK_K, DOT_F32, PREC,
+                )  # fmt: skip
+            return
+        if i_c * BLOCK_C >= C:
+            return
     slot = tl.load(SLOTS + i_n).to(tl.int64)
     if slot < 0:
         return
@@ -162,6 +189,7 @@ def short_conv_update(
     max_q_len: int | None = None,
     tiles: ConvTiles | None = None,
     planes: int = 1,
+    low_rank: LowRankUp | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over a varlen batch, reading and updating each sequence's state slot.
 
@@ -180,6 +208,9 @@ def short_conv_update(
         planes: G > 1 writes y as G contiguous planes [G, T, C/G], channel c in plane c // (C/G): Kimi's
             q | k | v come out as three contiguous tensors (fla's KDA kernels take no strided q / k / v, so
             column views of a [T, C] output would each be copied).
+        low_rank: KDA's f_b | g_b up-projections, written into ``low_rank.out`` by extra programs of the same
+            launch (kernels/short_conv/low_rank.py: one program walks all T rows of its channels, so for
+            decode-sized steps).
     Returns: y [T, C] (or [G, T, C/G] with planes=G) in x's dtype.
 
     With slots/num_accepted as host lists the wrapper checks the contract's bounds; device tensors skip the
@@ -242,15 +273,38 @@ def short_conv_update(
     meta = dict(KW=kw, SPEC=spec, HAS_ACC=num_accepted is not None, BLOCK_C=block_c, BLOCK_T=block_t)
     meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tl_.num_warps)
     one = n_chunks == 1
-    grid = (n, triton.cdiv(c, block_c), n_chunks)
+    c_blocks = triton.cdiv(c, block_c)
+    lr_args, lr_meta = _low_rank_args(low_rank, t, c_blocks, x)
+    grid = (n + (low_rank is not None), max(c_blocks, lr_args[6]), n_chunks)
     _short_conv_kernel[grid](
-        *args, t_chunk, n_chunks, CONV=True, WRITE_STATE=one, **meta, **pdl_kwargs(x, "conv.short_conv")
-    )
+        *args, t_chunk, n_chunks, *lr_args, CONV=True, WRITE_STATE=one, **meta, **lr_meta,
+        **pdl_kwargs(x, "conv.short_conv"),
+    )  # fmt: skip
     if not one:  # every chunk has read the old window: now the states
-        _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
-            *args, t_chunk, 1, CONV=False, WRITE_STATE=True, **meta, **pdl_kwargs(x, "conv.short_conv")
-        )
+        lr_args, lr_meta = _low_rank_args(None, t, c_blocks, x)
+        _short_conv_kernel[(n, c_blocks, 1)](
+            *args, t_chunk, 1, *lr_args, CONV=False, WRITE_STATE=True, **meta, **lr_meta,
+            **pdl_kwargs(x, "conv.short_conv"),
+        )  # fmt: skip
     return out
+
+
+def _low_rank_args(
+    low_rank: LowRankUp | None, rows: int, c_blocks: int, x: torch.Tensor
+) -> tuple[tuple, dict[str, object]]:
+    """The kernel's LR_* arguments (placeholders, never read, without ``low_rank``) and constexprs."""
+    if low_rank is None:
+        return (x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), dict(LOW_RANK=False, LR_BLOCK_C=16, LR_BLOCK_K=16, DOT_F32=False,
+                                                       PREC="ieee")  # fmt: skip
+    low_rank.check(rows)
+    check_device("short_conv_update(low_rank)", x, low_rank.a, low_rank.b, low_rank.out)
+    a, b = low_rank.a, low_rank.b
+    p, k = b.shape[1], b.shape[2]
+    block_c, block_k = low_rank_tiles(p, k, c_blocks)
+    dot_f32, prec = dot_config(a.dtype)
+    blocks = 2 * triton.cdiv(p, block_c)
+    args = (a, b, low_rank.out, rows, p, k, blocks, a.stride(0), a.stride(1), b.stride(0), b.stride(1))
+    return args, dict(LOW_RANK=True, LR_BLOCK_C=block_c, LR_BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
 
 
 def write_windows(
@@ -272,9 +326,11 @@ def write_windows(
     args = (x, x, conv_state, weight, slots, query_start_loc, slots, has_initial_state, c, s)
     args += (x.stride(0), x.stride(0), 0, c, conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=False, HAS_ACC=False, BLOCK_C=block_c, BLOCK_T=1, BLOCK_S=next_pow2(max(s, kw - 1)))
+    lr_args, lr_meta = _low_rank_args(None, t, 1, x)
     _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
-        *args, t, 1, CONV=False, WRITE_STATE=True, **meta, num_warps=4, **pdl_kwargs(x, "conv.short_conv")
-    )
+        *args, t, 1, *lr_args, CONV=False, WRITE_STATE=True, **meta, **lr_meta, num_warps=4,
+        **pdl_kwargs(x, "conv.short_conv"),
+    )  # fmt: skip
 
 
-__all__ = ["ConvTiles", "default_tiles", "short_conv_update", "write_windows"]
+__all__ = ["ConvTiles", "LowRankUp", "default_tiles", "short_conv_update", "write_windows"]

@@ -56,6 +56,8 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     o_proj = {"_gemv_kernel"} | ({"_gated_norm_gemv_kernel"} if arch == "kimi_linear" else set())
     norm_after = {x.kernel for x in launches if ("NORM_AFTER", True) in x.constexprs}
     assert o_proj <= norm_after, sorted(norm_after)
+    if arch == "kimi_linear":  # decode steps: KDA's up-projections in the short conv's launch
+        assert any(x.kernel == "_short_conv_kernel" and ("LOW_RANK", True) in x.constexprs for x in launches)
     print(f"{len(launches)} launches of {len(kernels)} kernels: {sorted(kernels)}")
     assert compile_errors(launches) == []
 
