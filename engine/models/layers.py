@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.backends.base import AddNorm
 from engine.backends.fallback import fall_back
 from engine.backends.norm import TorchNormBackend
 from kernels.activation import silu_mul
 
 if TYPE_CHECKING:
     from engine.backends import Backends
-    from engine.backends.base import AddNorm
     from engine.cache.tensors import CacheTensors
     from engine.forward_batch import ForwardBatch
 
@@ -98,8 +98,6 @@ class PreNormDecoderLayer(nn.Module):
     def _post_attention_norm(self, rows: int, residual: torch.Tensor, fuse: bool, be: Backends) -> AddNorm | None:
         """The post-attention norm for the attention's output projection to run (``project_norm_after``) where the
         dense backend fuses it at ``rows`` rows and ``fuse`` (the model lets blocks run the norms after them)."""
-        from engine.backends.base import AddNorm
-
         if not fuse or not be.dense.fuses_norm_after(rows):
             return None
         norm = self.post_attention_layernorm
