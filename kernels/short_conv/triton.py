@@ -275,7 +275,8 @@ def short_conv_update(
     one = n_chunks == 1
     c_blocks = triton.cdiv(c, block_c)
     lr_args, lr_meta = _low_rank_args(low_rank, t, c_blocks, x)
-    grid = (n + (low_rank is not None), max(c_blocks, lr_args[6]), n_chunks)
+    lr_blocks = lr_args[6]  # LR_BLOCKS: the up-projections' programs, 0 without them
+    grid = (n + (low_rank is not None), max(c_blocks, lr_blocks), n_chunks)
     _short_conv_kernel[grid](
         *args, t_chunk, n_chunks, *lr_args, CONV=True, WRITE_STATE=one, **meta, **lr_meta,
         **pdl_kwargs(x, "conv.short_conv"),
