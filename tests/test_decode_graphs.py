@@ -55,6 +55,28 @@ def test_each_step_writes_its_greedy_ids(model_dir):
         assert got == want
 
 
+def test_step_lengths_and_slots_come_with_the_copy(model_dir):
+    """The int32 context lens and KDA slots the attention and KDA kernels read (``DecodeMeta``) arrive with the step's
+    one host-to-device copy, not converted on the device afterwards: right after ``fill`` they equal the host rows,
+    padding rows included, at every step."""
+    eng = make_engine(model_dir, max_num_seqs=8, cuda_graphs=True)
+    bufs = eng.runner.decode_graphs.buffers
+    fill, seen = bufs.fill, []
+
+    def checked(chunks, bs, bucket, carried=None):
+        host = fill(chunks, bs, bucket, carried)
+        meta = bufs.meta(bs, bucket)
+        assert meta.context_lens.dtype == meta.state_slots.dtype == torch.int32
+        seen.append(((host[3], host[4]), (meta.context_lens.tolist(), meta.state_slots.tolist())))
+        return host
+
+    bufs.fill = checked
+    eng.generate(random_prompts(5, [5, 17, 33, 9, 40]), GREEDY)  # padded to 8 rows
+    assert len(seen) > 20 and {len(c) for (c, _), _ in seen} == {8}
+    for want, got in seen:
+        assert got == want
+
+
 def test_padding_rows_write_only_scratch(model_dir):
     """Every page and slot outside the reserved scratch pair holds what the normal path left there (up to
     fp32 rounding: the padded batch has more GEMM rows); a padding write would leave an O(1) difference."""

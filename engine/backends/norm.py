@@ -8,6 +8,8 @@ Inside a CUDA graph decode step every launch costs a graph node, so the count ma
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -31,6 +33,13 @@ class TorchNormBackend:
         """rms_norm(x) * w * sigmoid(gate), all in fp32, cast back to x's dtype."""
         return (weight.float() * _normalized(x, eps) * torch.sigmoid(gate.float())).to(x.dtype)
 
+    def embed_rms_norm(
+        self, embedding: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rms_norm(embedding[ids]) * weight, embedding[ids])`` in one launch where the backend has one, else None:
+        the model gathers the rows and runs the first layer's input norm itself."""
+        return None
+
 
 class FlaNormBackend(TorchNormBackend):
     """fla-core's fused norms (fla.modules.norm); CUDA tensors only, the reference otherwise.
@@ -39,11 +48,14 @@ class FlaNormBackend(TorchNormBackend):
     same arguments, without the autograd function and input guard (~19 calls a prefill step, which is
     host-bound at 8k tokens: bench/prefill_host.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, embed_norm: bool = True) -> None:
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
         from fla.modules.norm.layernorm import layer_norm_fwd
 
+        from kernels.triton_utils import is_interpreting
+
         self._layer_norm_fwd, self._rms_norm_gated = layer_norm_fwd, rms_norm_gated
+        self.embed_norm, self._is_interpreting = embed_norm, is_interpreting
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not x.is_cuda:
@@ -71,10 +83,25 @@ class FlaNormBackend(TorchNormBackend):
             return super().gated_rms_norm(x, gate, weight, eps)
         return self._rms_norm_gated(x, gate, weight, None, activation="sigmoid", eps=eps)
 
+    def embed_rms_norm(
+        self, embedding: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """kernels/embed_norm (``embed_norm``: ``TANDEM_EMBED_NORM``), on CUDA and under the interpreter."""
+        if not self.embed_norm or not (ids.is_cuda or self._is_interpreting()):
+            return None
+        from kernels.embed_norm.triton import embed_rms_norm
+
+        return embed_rms_norm(embedding, ids, weight, eps)
+
 
 def gpu_norm_backend() -> TorchNormBackend:
-    """fla's fused norms when fla-core imports, else the reference (the KDA backend warns about fla)."""
+    """fla's fused norms when fla-core imports, else the reference (the KDA backend warns about fla).
+    ``TANDEM_EMBED_NORM``: ``1`` (default) the embedding's gather and the first input norm in one launch
+    (kernels/embed_norm), ``0`` torch's gather, then fla's norm."""
+    choice = os.environ.get("TANDEM_EMBED_NORM", "1").strip()
+    if choice not in ("0", "1"):
+        raise ValueError(f"TANDEM_EMBED_NORM must be 0 or 1, got {choice!r}")
     try:
-        return FlaNormBackend()
+        return FlaNormBackend(embed_norm=choice == "1")
     except ImportError:
         return TorchNormBackend()

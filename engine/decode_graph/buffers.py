@@ -14,6 +14,9 @@ ROWS = 6
 ROW_GATHER = 5
 """Per row, where its input id is in the device words (``StaticDecodeBuffers._words``): ``max_batch + i`` (row 0 of
 the rows: the host's id) or ``j`` (the previous step's greedy id of its row j, carried on the device)."""
+INT32_ROWS = 2
+"""The context lens and KDA slots again as int32 (what the attention and KDA kernels take), staged behind the rows:
+converting them on the device took two launches a step."""
 
 
 class _Staging:
@@ -26,10 +29,12 @@ class _Staging:
     """
 
     def __init__(self, max_batch: int, max_pages: int, pin: bool) -> None:
-        self.rows_bytes = ROWS * max_batch * 8
+        self.rows_bytes = (ROWS * 8 + INT32_ROWS * 4) * max_batch
         self.buf = torch.zeros(self.rows_bytes + max_batch * max_pages * 4, dtype=torch.uint8, pin_memory=pin)
         # ids, positions, kv rows, context lens, slots, where each input id comes from (ROW_GATHER)
-        self.rows = self.buf[: self.rows_bytes].view(torch.int64).view(ROWS, max_batch)
+        self.rows = self.buf[: ROWS * max_batch * 8].view(torch.int64).view(ROWS, max_batch)
+        # context lens, slots (int32)
+        self.rows32 = self.buf[ROWS * max_batch * 8 : self.rows_bytes].view(torch.int32).view(INT32_ROWS, max_batch)
         self.packed = self.buf[self.rows_bytes :].view(torch.int32)
         """The step's [bs, pages] tables, contiguous: the layout of the graph's (bs, bucket) view."""
         self.tables = torch.zeros(max_batch, max_pages, dtype=torch.int32)
@@ -63,8 +68,8 @@ class StaticDecodeBuffers:
     instead be *carried*: taken on the device from the previous step's greedy ids (overlapped decode,
     engine/overlap.py), when the host does not know it yet.
 
-    What a step does on the device before and after its layers (``prepare``: the input ids' gather, the int32
-    lengths and slots; ``sampled``: the greedy ids) is part of the captured graph: each op outside the graph
+    What a step does on the device before and after its layers (``prepare``: the input ids' gather; ``sampled``:
+    the greedy ids) is part of the captured graph: each op outside the graph
     cost ~2-3 us of launch gap besides its kernel on the H200, ~70 us between two steps in all
     (bench/decode_timeline.py).
     """
@@ -79,16 +84,17 @@ class StaticDecodeBuffers:
         )
         pin = device.type == "cuda"
         words = (1 + ROWS) * max_batch
-        self._dev = torch.zeros(words * 8 + max_batch * max_pages * 4, dtype=torch.uint8, device=device)
+        rows32 = words * 8 + INT32_ROWS * 4 * max_batch
+        # [sampled | rows | rows32 | tables]: all but sampled written by one copy from the staging buffer
+        self._dev = torch.zeros(rows32 + max_batch * max_pages * 4, dtype=torch.uint8, device=device)
         self._words = self._dev[: words * 8].view(torch.int64)
         """[sampled | rows]: the gather's source (ROW_GATHER)."""
         self.sampled = self._words[:max_batch]
         """[max_batch] int64: the last step's greedy ids (its logits' argmax), written inside the step."""
         self.rows = self._words[max_batch:].view(ROWS, max_batch)
-        self._tables = self._dev[words * 8 :].view(torch.int32)
+        self.context_lens, self.state_slots = self._dev[words * 8 : rows32].view(torch.int32).view(INT32_ROWS, -1)
+        self._tables = self._dev[rows32:].view(torch.int32)
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.state_slots = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, dtype=torch.int64, device=device)
@@ -142,6 +148,7 @@ class StaticDecodeBuffers:
             kv[i], ctx[i], slots[i] = pad.page * ps, 1, pad.slot
             stage.table_row(i, None, None, pad.page)
         stage.rows[:, :bs] = torch.tensor([ids, pos, kv, ctx, slots, gather], dtype=torch.int64)
+        stage.rows32[:, :bs] = torch.tensor([ctx, slots], dtype=torch.int32)
         stage.packed[: bs * n_pages].view(bs, n_pages).copy_(stage.tables[:bs, :n_pages])
         # the whole rows block (the columns past bs are not read by this step) and the packed tables: one copy
         nbytes = stage.rows_bytes + bs * n_pages * 4
@@ -151,11 +158,9 @@ class StaticDecodeBuffers:
         return [ids, pos, kv, ctx, slots]
 
     def prepare(self, bs: int) -> None:
-        """The step's device-side inputs, run as the step's first ops (inside its graph): each input id from
-        the host's row or the previous step's greedy ids (one gather), the int32 lengths and slots."""
+        """The step's device-side inputs, run as the step's first op (inside its graph): each input id from the
+        host's row or the previous step's greedy ids (one gather). The int32 lengths and slots came with the copy."""
         torch.index_select(self._words, 0, self.rows[ROW_GATHER, :bs], out=self.input_ids[:bs])
-        self.context_lens[:bs].copy_(self.rows[3, :bs])
-        self.state_slots[:bs].copy_(self.rows[4, :bs])
 
     def batch(self, meta: DecodeMeta, host: list[list[int]] | None) -> ForwardBatch:
         """A ForwardBatch over the static views. Host lists (used only by the host reference backends) come

@@ -58,13 +58,10 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: CacheTensors) -> torch.Tensor:
         """Returns final-normed hidden states [T, hidden]."""
         assert self.backends is not None, "set model.backends before running"
-        # a row gather by advanced indexing: nn.Embedding's index_select takes a one-block-per-slice CUDA kernel
-        # at decode batches (11 us for 16 rows on the H200, against ~2 us); same rows, any device
-        h, residual = self.model.embed_tokens.weight[batch.input_ids], None
+        h, residual, normed = self._embed(batch.input_ids)
         taps: dict[int, torch.Tensor] = {}
         if -1 in self.aux_layer_ids:
-            taps[-1] = h[batch.logits_indices]
-        normed = False
+            taps[-1] = (residual if normed else h)[batch.logits_indices]
         for i, layer in enumerate(self.layers):
             # layer i's output is h + residual, or with `normed` residual, h being the next norm's output
             h, residual, normed = layer(h, residual, batch, cache, self.backends, normed, self._norm_after(i))
@@ -82,6 +79,19 @@ class CausalLM(nn.Module):
         if residual is None:
             return self.model.norm(h, self.backends)
         return self.model.norm.add(h, residual, self.backends)[0]
+
+    def _embed(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The first layer's input: ``(embeddings, None, False)``, or with the first input norm run by the gather's
+        launch where the norm backend has one (``embed_rms_norm``), ``(that norm's output, embeddings, True)``."""
+        emb = self.model.embed_tokens.weight
+        if self.fuse_residual and len(self.layers):
+            norm = self.layers[0].input_layernorm
+            fused = self.backends.norm.embed_rms_norm(emb, ids, norm.weight, norm.eps)
+            if fused is not None:
+                return fused[0], fused[1], True
+        # a row gather by advanced indexing: nn.Embedding's index_select takes a one-block-per-slice CUDA kernel
+        # at decode batches (11 us for 16 rows on the H200, against ~2 us); same rows, any device
+        return emb[ids], None, False
 
     def _norm_after(self, i: int) -> RMSNorm | None:
         """The norm that follows layer i (the next layer's input norm, or the final norm), for the layer to run in

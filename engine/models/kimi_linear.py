@@ -329,10 +329,14 @@ class KimiDecoderLayer(PreNormDecoderLayer):
     def feed_forward_add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, be: Backends
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One-token GPU steps of a MoE layer: the experts' combine runs the next norm (kernels/moe/combine_norm.py)."""
-        if not self.is_moe or not self.block_sparse_moe.fuses_add_norm(x.shape[0], be):
+        """One-token GPU steps: a MoE layer's experts' combine runs the next norm (kernels/moe/combine_norm.py), a
+        dense MLP's down projection does (kernels/gemv/norm_after.py)."""
+        after = AddNorm(residual, norm.weight, norm.eps)
+        if not self.is_moe:
+            return self.mlp.add_norm(x, after, be)
+        if not self.block_sparse_moe.fuses_add_norm(x.shape[0], be):
             return None
-        return self.block_sparse_moe(x, be, add_norm=AddNorm(residual, norm.weight, norm.eps))
+        return self.block_sparse_moe(x, be, add_norm=after)
 
 
 class KimiLinearForCausalLM(CausalLM):

@@ -259,6 +259,15 @@ class GatedMLP(nn.Module):
             return self.from_gate_up(self.gate_up(x, be), be)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
+    def add_norm(self, x: torch.Tensor, norm_after: AddNorm, be: Backends) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(norm(residual + mlp(x)), residual + mlp(x))`` with the norm after the MLP (``norm_after``: the next
+        layer's input norm, or the final one) run by the down projection's last program, where the dense backend
+        fuses it at x's rows (one-row GPU steps, packed weights); else None: the caller runs the norm."""
+        if self.gate_up is None or not be.dense.fuses_norm_after(x.shape[0]):
+            return None
+        gate, up = self.gate_up(x, be).split(self.gate_up.sizes, dim=-1)
+        return project_norm_after(silu_mul(gate, up), self.down_proj.weight, norm_after, be)
+
     def from_gate_up(self, gate_up: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
         """The rest of the MLP from the packed gate | up projection's output [T, 2I] (``pack_weights``)."""
         gate, up = gate_up.split(self.gate_up.sizes, dim=-1)

@@ -79,6 +79,12 @@ class Qwen3DecoderLayer(PreNormDecoderLayer):
     def feed_forward(self, x: torch.Tensor, be: Backends) -> torch.Tensor:
         return self.mlp(x, be)
 
+    def feed_forward_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, be: Backends
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One-row GPU steps: the down projection's last program runs the next norm (kernels/gemv/norm_after.py)."""
+        return self.mlp.add_norm(x, AddNorm(residual, norm.weight, norm.eps), be)
+
 
 class Qwen3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:

@@ -140,7 +140,8 @@ def test_dense_backend_fuses_one_row_steps_only(monkeypatch):
 def test_one_row_steps_run_the_post_attention_norm_in_o_proj(tiny_models, arch, norm_after):
     """Greedy tokens of the tiny models through the GPU backends and the skinny GEMM, one sequence at a time
     (every decode step one row), weights packed as on CUDA: the reference's, with the norm after o_proj on (it ran
-    once per layer a decode step: the gated GEMV in KDA layers, the plain one in MLA and GQA layers) and off."""
+    once per layer a decode step: the gated GEMV in KDA layers, the plain one in MLA and GQA layers; and the next
+    norm after each dense MLP's down projection) and off."""
     from engine.backends.dense import TritonDense
     from engine.sampling_params import SamplingParams
     from tests.conftest import make_engine, random_prompts
@@ -162,7 +163,10 @@ def test_one_row_steps_run_the_post_attention_norm_in_o_proj(tiny_models, arch, 
     decode_steps = len(prompts) * (params.max_tokens - 1)
     kda = sum(1 for layer in eng.model.layers if type(layer.self_attn).__name__ == "KimiDeltaAttention")
     others = len(eng.model.layers) - kda
-    want = {"gemv": decode_steps * others, "gated": decode_steps * kda} if norm_after else {"gemv": 0, "gated": 0}
+    dense_mlps = sum(1 for layer in eng.model.layers if not getattr(layer, "is_moe", False))
+    assert dense_mlps > 0  # Qwen3's every layer, the tiny Kimi's first: their down projections run the next norm
+    plain = decode_steps * (others + dense_mlps)
+    want = {"gemv": plain, "gated": decode_steps * kda} if norm_after else {"gemv": 0, "gated": 0}
     assert calls == want
 
 

@@ -31,17 +31,22 @@ def _ours(launches: set[Launch]) -> set[Launch]:
 @pytest.mark.parametrize("arch", ["kimi_linear", "qwen3"])
 def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     from engine.backends.dense import TritonDense
+    from engine.backends.norm import FlaNormBackend
 
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     eng = make_engine(tiny_models[arch], max_num_batched_tokens=512, cuda_graphs=True, dtype=dtype)
-    eng.model.backends = dataclasses.replace(gpu_backends(), dense=TritonDense(add_norm=True))
+    backends = dataclasses.replace(gpu_backends(), dense=TritonDense(add_norm=True), norm=FlaNormBackend())
+    eng.model.backends = backends
     eng.model.pack_weights()  # as the engine does on CUDA
     with record_launches() as seen:
         eng.generate(random_prompts(1, [20], seed=1), params)  # one row: every one-row kernel
         eng.generate(random_prompts(3, [30, 9, 17], seed=2), params)  # batched: the sorted layouts, the splits
+        # the first input norm on its own again: the add-norm GEMV (off by default) takes it at one row
+        eng.model.backends = dataclasses.replace(backends, norm=FlaNormBackend(embed_norm=False))
+        eng.generate(random_prompts(1, [20], seed=1), params)
     launches = _ours(seen)
     kernels = {x.kernel for x in launches}
-    want = {"_gemv_kernel", "_paged_attn_fwd_kernel"} | (
+    want = {"_gemv_kernel", "_paged_attn_fwd_kernel", "_embed_rms_norm_kernel"} | (
         {"_add_norm_gemv_kernel", "_gated_norm_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel"}
         | {"_router_route_kernel", "_sigmoid_topk_kernel"}  # one-row steps route in one launch, batched in two
         | {"_moe_combine_add_norm_kernel"}  # one-row steps: the next norm in the combine
