@@ -6,11 +6,13 @@ from kernels.gemv.naive import (
     naive_gated_norm_gemv,
     naive_gemv,
     naive_gemv_norm_after,
+    naive_head_gemv,
 )
 
 _TRITON = ("gemv", "gemv_norm_after", "gemv_tile", "GemvTile", "GEMV_MAX_ROWS")
 _GATED = ("gated_norm_gemv", "gated_norm_gemv_fits", "gated_norm_gemv_norm_after")
 _ADD_NORM = ("add_norm_gemv", "add_norm_gemv_fits")
+_HEADS = ("head_gemv",)
 
 
 def __getattr__(name: str):
@@ -26,6 +28,10 @@ def __getattr__(name: str):
         from kernels.gemv import add_norm as _add_norm
 
         return getattr(_add_norm, name)
+    if name in _HEADS:
+        from kernels.gemv import heads as _heads
+
+        return getattr(_heads, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -41,8 +47,10 @@ __all__ = [
     "gemv",
     "gemv_norm_after",
     "gemv_tile",
+    "head_gemv",
     "naive_add_norm_gemv",
     "naive_gated_norm_gemv",
     "naive_gemv",
     "naive_gemv_norm_after",
+    "naive_head_gemv",
 ]

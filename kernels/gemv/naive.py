@@ -68,3 +68,11 @@ def naive_gemv_norm_after(
             f"{tuple(norm_weight.shape)}"
         )
     return add_rms_norm_reference(y, residual, norm_weight, eps)
+
+
+def naive_head_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out[h] = x[h] @ weight[h]: x [H, K], weight [H, K, N] -> [H, N] in x's dtype, fp32 sums (kernels/gemv/heads.py;
+    one query of MLA's absorbed decode through W_UK or W_UV^T)."""
+    if x.ndim != 2 or weight.ndim != 3 or weight.shape[:2] != x.shape:
+        raise ValueError(f"x [H, K] and weight [H, K, N], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return torch.bmm(x.float()[:, None, :], weight.float())[:, 0].to(x.dtype)

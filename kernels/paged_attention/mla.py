@@ -12,6 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from kernels.flashmla.decode import RANK, ROPE, DecodeSchedule, flashmla_decode_fwd, use_flashmla
+from kernels.gemv.heads import head_gemv
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
 from kernels.paged_attention.mla_decode import mla_decode_fwd
 from kernels.paged_attention.sdpa_prefill import causal_self_attention, cudnn_self_attention_usable, mla_keys_values
@@ -30,6 +31,16 @@ def absorb_weights(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: 
 # latent is read once for all 32 heads instead of once per 16 (H200: 1.25-1.6x faster at batch 16-64).
 # TANDEM_MLA_ALL_HEADS=0 keeps them on the general kernel, for A/B runs.
 MLA_ALL_HEADS = os.environ.get("TANDEM_MLA_ALL_HEADS", "1") != "0"
+
+# One query (a batch-1 decode step): q_nope through W_UK and the latent output through W_UV^T by the per-head GEMV
+# (kernels/gemv/heads.py) instead of cuBLAS's batched GEMMs of one row, FlashMLA's rope columns copied by the same
+# launch. TANDEM_MLA_HEAD_GEMV=0 keeps the batched GEMMs, for A/B runs.
+MLA_HEAD_GEMV = os.environ.get("TANDEM_MLA_HEAD_GEMV", "1") != "0"
+
+
+def _one_query_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x [1, H, K] goes through ``head_gemv`` with the per-head weight w [H, K, N]."""
+    return MLA_HEAD_GEMV and x.shape[0] == 1 and x.dtype == w.dtype and x.stride(-1) == 1
 
 
 def _all_heads_decode(meta: AttnMeta) -> bool:
@@ -71,7 +82,10 @@ def mla_absorbed(
     # [H, T, R] @ [H, R, v] -> [H, T, v], written as [T, H, v] (straight into ``out`` when its dtype is o_lat's)
     direct = out is not None and out.dtype == o_lat.dtype
     o = out if direct else o_lat.new_empty(o_lat.shape[0], h, v_head_dim)
-    torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype), out=o.transpose(0, 1))
+    if _one_query_gemv(o_lat, w_uv):
+        head_gemv(o_lat[0], w_uv.transpose(1, 2), out=o[0])
+    else:
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to(o_lat.dtype), out=o.transpose(0, 1))
     if out is not None and not direct:
         return out.copy_(o)
     return o
@@ -90,8 +104,10 @@ def _triton_absorbed(
     block_n: int | None,
 ) -> torch.Tensor:
     """o_lat [T, H, R] through the Triton kernels: the all-heads decode kernel or the general paged one."""
-    # [H, T, nope] @ [H, nope, R] -> [H, T, R]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1).contiguous()
+    if _one_query_gemv(q_nope, w_uk):
+        q_lat = head_gemv(q_nope[0], w_uk)[None]
+    else:  # [H, T, nope] @ [H, nope, R] -> [H, T, R]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1).contiguous()
     q_pe = q_pe.contiguous()
     if decode:
         return mla_decode_fwd(q_lat, q_pe, latent_cache, meta.block_tables, meta.ctx, meta.max_ctx, scale)
@@ -126,8 +142,11 @@ def _flashmla_absorbed(
         raise ValueError(f"flashmla_decode_fwd: latent {w_uk.shape[-1]} + rope {q_pe.shape[-1]}, not {RANK} + {ROPE}")
     q = q_nope.new_empty(t, h, RANK + ROPE)
     q_lat, q_rope = q[..., :RANK], q[..., RANK:]
-    torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype), out=q_lat.transpose(0, 1))
-    q_rope.copy_(q_pe)
+    if _one_query_gemv(q_nope, w_uk) and q_pe.stride(-1) == 1:  # the rope columns copied by the same launch
+        head_gemv(q_nope[0], w_uk, out=q_lat[0], tail=q_pe[0])
+    else:
+        torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype), out=q_lat.transpose(0, 1))
+        q_rope.copy_(q_pe)
     key = ("flashmla", h, meta.ctx.data_ptr(), t)
     schedule = None if schedules is None else schedules.setdefault(key, DecodeSchedule())
     return flashmla_decode_fwd(q_lat, q_rope, latent_cache, meta.block_tables, meta.ctx, scale, schedule=schedule, q=q)

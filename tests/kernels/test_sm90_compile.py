@@ -50,6 +50,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
         {"_add_norm_gemv_kernel", "_gated_norm_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel"}
         | {"_router_route_kernel", "_sigmoid_topk_kernel"}  # one-row steps route in one launch, batched in two
         | {"_moe_combine_add_norm_kernel"}  # one-row steps: the next norm in the combine
+        | {"_head_gemv_kernel"}  # one query: MLA's W_UK and W_UV^T
         if arch == "kimi_linear"
         else set()
     )
