@@ -72,6 +72,11 @@
 #                                            # KDA's up-projections in the conv's launch): their tests, b1 / b16 at
 #                                            # 4k / 32k with the defaults and each switched off, twice; the one-row
 #                                            # agreement (~6 min on a fresh machine with Triton's cache carried)
+#   bash bench/gpu_session.sh b1-cuts-33     # 1 x H200: the thirty-third session's launch cuts (the first input norm in
+#                                            # the embedding gather's launch, MLA's per-head GEMVs at one query): their
+#                                            # tests, b1 / b16 at 4k / 32k with the defaults and each switched off,
+#                                            # twice; the one-row agreement (the dense MLP's next norm and the staged
+#                                            # int32 rows have no switch: decode-timeline-ab against the tree before)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -100,7 +105,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -205,6 +210,14 @@ case "$step" in
         --out "$OUT/decode_timeline_b1_cuts_${name//=/_}_$i.json" 2>&1 | grep "a step"; done; done | tee "$OUT/b1_cuts_ab.txt"
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 \
       | grep -v -i warn | grep "one at a time" | tee "$OUT/agreement_b1_cuts.txt" ;;
+  b1-cuts-33) python -m pytest -q -p no:cacheprovider tests/kernels/test_embed_norm.py tests/kernels/test_gemv_heads.py \
+      tests/kernels/test_gemv_norm_after.py tests/kernels/test_flashmla.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_b1_cuts_33.txt"
+    for i in 1 2; do for sw in "" TANDEM_EMBED_NORM=0 TANDEM_MLA_HEAD_GEMV=0; do echo "== ${sw:-defaults}, run $i"
+      name="${sw:-defaults}"; env $sw python -m bench.decode_timeline --ctx 4096 32768 --batches 1 16 --steps 20 \
+        --out "$OUT/decode_timeline_b1_cuts_33_${name//=/_}_$i.json" 2>&1 | grep "a step"; done; done \
+      | tee "$OUT/b1_cuts_33_ab.txt"
+    python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 \
+      | grep -v -i warn | grep "one at a time" | tee "$OUT/agreement_b1_cuts_33.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \
