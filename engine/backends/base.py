@@ -53,6 +53,29 @@ class AttentionBackend(ABC):
         c_kv, k_pe = kv_a.split([kv_lora_rank, kv_a.shape[-1] - kv_lora_rank], dim=-1)
         self.write_kv(cache, batch, torch.cat([norms.rms_norm(c_kv, norm_weight, eps), k_pe], dim=-1))
 
+    def gqa_qk_norm_rope_write(
+        self,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        eps: float,
+        rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        inv_freq: torch.Tensor,
+        norms: TorchNormBackend,
+    ) -> torch.Tensor:
+        """Qwen3's attention input: q [T, H, D] and k [T, KVH, D] each normed per head (``norms``, the model's norm
+        backend) and rotated (``rotary(q, k, positions)``, its angles ``positions * inv_freq``); k and v [T, KVH, D]
+        stored by ``write_kv``; returns q. Here the model's ops; a backend may run them in one launch (the GPU
+        backend: kernels/paged_attention/qk_norm_rope.py)."""
+        q, k = norms.rms_norm(q, q_norm_weight, eps), norms.rms_norm(k, k_norm_weight, eps)
+        q, k = rotary(q, k, batch.positions)
+        self.write_kv(cache, batch, torch.stack([k, v], dim=1))
+        return q
+
     @abstractmethod
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [T, Hq, D] over a K|V page cache -> [T, Hq, D]; causal over each sequence's cache."""

@@ -33,6 +33,7 @@ from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.latent_write import write_mla_latent_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
+from kernels.paged_attention.qk_norm_rope import qk_norm_rope_write
 from kernels.paged_attention.triton import attention_fwd
 from kernels.triton_utils import is_interpreting
 
@@ -45,6 +46,9 @@ FUSED_ROUTE_MAX_ROWS = 1
 the rows one after another, so only one-row steps by default: the case measured, ~7 us of a b1 step on an H100);
 ``TANDEM_MOE_FUSED_ROUTE_ROWS`` overrides it, 0 turns the fused launch off."""
 FLASHMLA_SHARED_PLAN = os.environ.get("TANDEM_FLASHMLA_SHARED_PLAN", "1") != "0"
+# Qwen3's q / k norms, RoPE and the K | V write in one launch (kernels/paged_attention/qk_norm_rope.py);
+# TANDEM_QK_NORM_ROPE=0 runs the model's ops, for A / B runs
+QK_NORM_ROPE = os.environ.get("TANDEM_QK_NORM_ROPE", "1") != "0"
 
 
 def _kv_write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -78,6 +82,30 @@ class GPUAttentionBackend(AttentionBackend):
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = entries.to(cache.dtype)
         else:
             cache.view(-1, *cache.shape[2:])[batch.slot_mapping[keep]] = entries[keep].to(cache.dtype)
+
+    def gqa_qk_norm_rope_write(
+        self,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        eps: float,
+        rotary,
+        inv_freq: torch.Tensor,
+        norms: TorchNormBackend,
+    ) -> torch.Tensor:
+        """One launch (rows with slot -1 skipped on the device) where the shapes fit, else the model's ops."""
+        fits = QK_NORM_ROPE and (q.is_cuda or is_interpreting()) and q.dtype == k.dtype == v.dtype == cache.dtype
+        if not fits or any(x.stride(-1) != 1 for x in (q, k, v)) or not cache.is_contiguous():
+            return super().gqa_qk_norm_rope_write(
+                cache, batch, q, k, v, q_norm_weight, k_norm_weight, eps, rotary, inv_freq, norms
+            )
+        return qk_norm_rope_write(
+            q, k, v, q_norm_weight, k_norm_weight, eps, batch.positions, inv_freq, cache, batch.slot_mapping
+        )
 
     def write_mla_latent(
         self,

@@ -55,12 +55,14 @@ class Qwen3Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         be.l2.weights(t, self.o_proj.weight)  # read after the norms, the cache write and the attention
-        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim), be)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim), be)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, batch.positions)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k, v = (x.reshape(t, self.num_kv_heads, self.head_dim) for x in (k, v))
         kv_pages = cache.kv[self.layer_idx]
-        be.attention.write_kv(kv_pages, batch, torch.stack([k, v], dim=1))
+        assert self.q_norm.eps == self.k_norm.eps  # one config value
+        q = be.attention.gqa_qk_norm_rope_write(
+            kv_pages, batch, q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            self.rotary, self.rotary.inv_freq, be.norm,
+        )  # fmt: skip
         o = be.attention.gqa(q, kv_pages, batch, self.scale)
         be.l2.join()
         if norm_after is not None:

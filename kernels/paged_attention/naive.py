@@ -38,6 +38,39 @@ def write_mla_latent(
     scatter_pages(cache, slot_mapping, torch.cat([normed.to(cache.dtype), k_pe.to(cache.dtype)], dim=-1))
 
 
+def qk_norm_rope_write(
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen3's attention input as the GPU backend's ops make it (kernels/paged_attention/qk_norm_rope.py): q [T, H,
+    D] and k [T, KVH, D] each normed per head as fla's norm does (fp32, rounded once to the activations' dtype), then
+    rotated as ``RotaryEmbedding`` does (cos / sin of the fp32 angles rounded to that dtype, ``x * cos +
+    rotate_half(x) * sin`` in it); k | v written at flat rows slot_mapping [T] (-1: not written). Returns q."""
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        freqs = positions[:, None].float() * inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    q, k = rotate(norm(q, q_norm_weight)), rotate(norm(k, k_norm_weight))
+    scatter_pages(cache, slot_mapping, torch.stack([k, v], dim=1))
+    return q
+
+
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Return the first num_tokens entries of a sequence, in token order: [num_tokens, *entry]."""
     page_size = cache.shape[1]

@@ -46,7 +46,9 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
         eng.generate(random_prompts(1, [20], seed=1), params)
     launches = _ours(seen)
     kernels = {x.kernel for x in launches}
-    want = {"_gemv_kernel", "_paged_attn_fwd_kernel", "_embed_rms_norm_kernel"} | (
+    want = {"_gemv_kernel", "_paged_attn_fwd_kernel", "_embed_rms_norm_kernel"}
+    want |= {"_qk_norm_rope_write_kernel"} if arch == "qwen3" else set()  # the q / k norms, RoPE and the K | V write
+    want |= (
         {"_add_norm_gemv_kernel", "_gated_norm_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel"}
         | {"_router_route_kernel", "_sigmoid_topk_kernel"}  # one-row steps route in one launch, batched in two
         | {"_moe_combine_add_norm_kernel"}  # one-row steps: the next norm in the combine
