@@ -5,7 +5,8 @@ checkpoint: ~30 s on a fresh machine).
 
 - MLA's W_UK product with FlashMLA's rope columns: cuBLAS's one-row batched GEMM + a copy vs ``head_gemv`` (tail);
 - MLA's W_UV^T product: cuBLAS's batched GEMM vs ``head_gemv``;
-- the embedding gather + the first input norm: torch's indexing + fla's norm vs ``embed_rms_norm``.
+- the embedding gather + the first input norm: torch's indexing + fla's norm vs ``embed_rms_norm``;
+- Qwen3's q / k norms, RoPE and K | V write: the model's ops vs ``qk_norm_rope_write`` (weights: none to stream).
 Each form's launches are captured ``iters`` times in one CUDA graph (``bench.graph_time``); every call reads
 another of ``COPIES`` weight copies, together larger than L2, so the weights come from HBM as in a decode step."""
 
@@ -97,11 +98,39 @@ def embed_cases() -> dict[str, float]:
     }
 
 
+def qwen3_cases() -> dict[str, float]:
+    """Qwen3-8B's attention input at one token: the model's ops (fla's norms, the rotary's elementwise ops, the K | V
+    stack and scatter) vs ``qk_norm_rope_write``."""
+    from engine.backends.norm import FlaNormBackend
+    from engine.models.layers import RotaryEmbedding
+    from kernels.paged_attention.qk_norm_rope import qk_norm_rope_write
+
+    dev, dt, h, kvh, d = "cuda", torch.bfloat16, 32, 8, 128
+    packed = torch.randn(1, (h + 2 * kvh) * d, device=dev, dtype=dt)
+    q, k, v = (x.view(1, -1, d) for x in packed.split([h * d, kvh * d, kvh * d], dim=-1))
+    qw, kw = (torch.rand(d, device=dev, dtype=dt) + 0.5 for _ in range(2))
+    rotary = RotaryEmbedding(d, 1_000_000.0).to(dev)
+    pos = torch.tensor([4095], device=dev)
+    cache = torch.zeros(64, 16, 2, kvh, d, device=dev, dtype=dt)
+    slots = torch.tensor([100], device=dev)
+    norms = FlaNormBackend()
+
+    def model_ops():
+        qn, kn = norms.rms_norm(q, qw, 1e-6), norms.rms_norm(k, kw, 1e-6)
+        _q, kr = rotary(qn, kn, pos)
+        cache.view(-1, 2, kvh, d)[slots] = torch.stack([kr, v], dim=1)
+
+    def fused():
+        qk_norm_rope_write(q, k, v, qw, kw, 1e-6, pos, rotary.inv_freq, cache, slots)
+
+    return {"qwen3 qk norm + rope + kv write: model ops": graph_us(model_ops), "qwen3 ...: fused": graph_us(fused)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.one_row_launches", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    res = {"device": torch.cuda.get_device_name(), **mla_cases(), **embed_cases()}
+    res = {"device": torch.cuda.get_device_name(), **mla_cases(), **embed_cases(), **qwen3_cases()}
     for k, v in res.items():
         print(f"{k:40s} {v if isinstance(v, str) else f'{v:.2f}'}")
     if a.out:

@@ -182,6 +182,24 @@ class SplitAttention(AttentionBackend):
             lambda b, kv: inner.write_mla_latent(cache, b, kv, kv_lora_rank, norm_weight, eps, norms), (kv_a,)
         )
 
+    def gqa_qk_norm_rope_write(
+        self,
+        cache: torch.Tensor,
+        batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        eps: float,
+        rotary,
+        inv_freq: torch.Tensor,
+        norms: TorchNormBackend,
+    ) -> torch.Tensor:
+        """The inner backend's norms, RoPE and write as the core (the GPU's one launch), as ``write_mla_latent``."""
+        inner, w = self.inner, (q_norm_weight, k_norm_weight, eps, rotary, inv_freq, norms)
+        return self.run.core(lambda b, q, k, v: inner.gqa_qk_norm_rope_write(cache, b, q, k, v, *w), (q, k, v))
+
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         inner = self.inner
         return self.run.core(lambda b, q: inner.gqa(q, cache, b, scale), (q,))
