@@ -24,6 +24,18 @@ class AddNorm:
 
 
 @dataclass(frozen=True)
+class QKNormRope:
+    """What GQA's attention input takes before the cache write (Qwen3): per-head q / k RMSNorm weights and their eps,
+    the rotary (``rotary(q, k, positions)``) and its inverse frequencies (its angles are ``positions * inv_freq``)."""
+
+    q_norm_weight: torch.Tensor
+    k_norm_weight: torch.Tensor
+    eps: float
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    inv_freq: torch.Tensor
+
+
+@dataclass(frozen=True)
 class MLADims:
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -60,19 +72,14 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_norm_weight: torch.Tensor,
-        k_norm_weight: torch.Tensor,
-        eps: float,
-        rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        inv_freq: torch.Tensor,
+        qk: QKNormRope,
         norms: TorchNormBackend,
     ) -> torch.Tensor:
         """Qwen3's attention input: q [T, H, D] and k [T, KVH, D] each normed per head (``norms``, the model's norm
-        backend) and rotated (``rotary(q, k, positions)``, its angles ``positions * inv_freq``); k and v [T, KVH, D]
-        stored by ``write_kv``; returns q. Here the model's ops; a backend may run them in one launch (the GPU
-        backend: kernels/paged_attention/qk_norm_rope.py)."""
-        q, k = norms.rms_norm(q, q_norm_weight, eps), norms.rms_norm(k, k_norm_weight, eps)
-        q, k = rotary(q, k, batch.positions)
+        backend) and rotated (``qk``); k and v [T, KVH, D] stored by ``write_kv``; returns q. Here the model's ops; a
+        backend may run them in one launch (the GPU backend: kernels/paged_attention/qk_norm_rope.py)."""
+        q, k = norms.rms_norm(q, qk.q_norm_weight, qk.eps), norms.rms_norm(k, qk.k_norm_weight, qk.eps)
+        q, k = qk.rotary(q, k, batch.positions)
         self.write_kv(cache, batch, torch.stack([k, v], dim=1))
         return q
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from engine.backends.base import AddNorm, AttentionBackend, MLADims, MoEBackend
+from engine.backends.base import AddNorm, AttentionBackend, MLADims, MoEBackend, QKNormRope
 from engine.backends.fallback import fall_back
 from engine.backends.gpu_kda import GPUKDABackend, gpu_kda_backend
 from engine.backends.gpu_static import static_attn_meta, static_mla_parts
@@ -90,22 +90,15 @@ class GPUAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_norm_weight: torch.Tensor,
-        k_norm_weight: torch.Tensor,
-        eps: float,
-        rotary,
-        inv_freq: torch.Tensor,
+        qk: QKNormRope,
         norms: TorchNormBackend,
     ) -> torch.Tensor:
         """One launch (rows with slot -1 skipped on the device) where the shapes fit, else the model's ops."""
         fits = QK_NORM_ROPE and (q.is_cuda or is_interpreting()) and q.dtype == k.dtype == v.dtype == cache.dtype
         if not fits or any(x.stride(-1) != 1 for x in (q, k, v)) or not cache.is_contiguous():
-            return super().gqa_qk_norm_rope_write(
-                cache, batch, q, k, v, q_norm_weight, k_norm_weight, eps, rotary, inv_freq, norms
-            )
-        return qk_norm_rope_write(
-            q, k, v, q_norm_weight, k_norm_weight, eps, batch.positions, inv_freq, cache, batch.slot_mapping
-        )
+            return super().gqa_qk_norm_rope_write(cache, batch, q, k, v, qk, norms)
+        w = (qk.q_norm_weight, qk.k_norm_weight, qk.eps)
+        return qk_norm_rope_write(q, k, v, *w, batch.positions, qk.inv_freq, cache, batch.slot_mapping)
 
     def write_mla_latent(
         self,

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.backends import Backends
-from engine.backends.base import AddNorm
+from engine.backends.base import AddNorm, QKNormRope
 from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
@@ -59,10 +59,8 @@ class Qwen3Attention(nn.Module):
         k, v = (x.reshape(t, self.num_kv_heads, self.head_dim) for x in (k, v))
         kv_pages = cache.kv[self.layer_idx]
         assert self.q_norm.eps == self.k_norm.eps  # one config value
-        q = be.attention.gqa_qk_norm_rope_write(
-            kv_pages, batch, q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-            self.rotary, self.rotary.inv_freq, be.norm,
-        )  # fmt: skip
+        qk = QKNormRope(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary, self.rotary.inv_freq)
+        q = be.attention.gqa_qk_norm_rope_write(kv_pages, batch, q, k, v, qk, be.norm)
         o = be.attention.gqa(q, kv_pages, batch, self.scale)
         be.l2.join()
         if norm_after is not None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engine.backends import Backends
-from engine.backends.base import AttentionBackend, KDABackend, MLADims
+from engine.backends.base import AttentionBackend, KDABackend, MLADims, QKNormRope
 from engine.backends.norm import TorchNormBackend
 from engine.forward_batch import ForwardBatch
 from engine.prefill_graph.weak import weak_view
@@ -189,16 +189,12 @@ class SplitAttention(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_norm_weight: torch.Tensor,
-        k_norm_weight: torch.Tensor,
-        eps: float,
-        rotary,
-        inv_freq: torch.Tensor,
+        qk: QKNormRope,
         norms: TorchNormBackend,
     ) -> torch.Tensor:
         """The inner backend's norms, RoPE and write as the core (the GPU's one launch), as ``write_mla_latent``."""
-        inner, w = self.inner, (q_norm_weight, k_norm_weight, eps, rotary, inv_freq, norms)
-        return self.run.core(lambda b, q, k, v: inner.gqa_qk_norm_rope_write(cache, b, q, k, v, *w), (q, k, v))
+        inner = self.inner
+        return self.run.core(lambda b, q, k, v: inner.gqa_qk_norm_rope_write(cache, b, q, k, v, qk, norms), (q, k, v))
 
     def gqa(self, q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
         inner = self.inner

@@ -50,6 +50,7 @@ def test_matches_the_contract(t, h, kvh, d, dtype):
 
 def test_equals_the_model_ops_in_fp32():
     """In fp32 the contract is the model's path: the reference norms, RotaryEmbedding, write_kv."""
+    from engine.backends.base import QKNormRope
     from engine.backends.norm import TorchNormBackend
     from engine.backends.torch_ref import TorchAttentionBackend
     from engine.forward_batch import ForwardBatch
@@ -63,9 +64,8 @@ def test_equals_the_model_ops_in_fp32():
         logits_indices=torch.tensor([3], device=DEVICE),
     )  # fmt: skip
     want_cache = cache.clone()
-    want_q = TorchAttentionBackend().gqa_qk_norm_rope_write(
-        want_cache, batch, q, k, v, qw, kw, 1e-6, rotary, rotary.inv_freq, TorchNormBackend()
-    )
+    qk = QKNormRope(qw, kw, 1e-6, rotary, rotary.inv_freq)
+    want_q = TorchAttentionBackend().gqa_qk_norm_rope_write(want_cache, batch, q, k, v, qk, TorchNormBackend())
     got_q = qk_norm_rope_write(q, k, v, qw, kw, 1e-6, pos, rotary.inv_freq, cache, slots)
     torch.testing.assert_close(got_q, want_q, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(cache, want_cache, rtol=2e-5, atol=2e-5)
