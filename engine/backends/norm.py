@@ -52,10 +52,11 @@ class FlaNormBackend(TorchNormBackend):
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
         from fla.modules.norm.layernorm import layer_norm_fwd
 
+        from kernels.embed_norm.triton import embed_rms_norm
         from kernels.triton_utils import is_interpreting
 
         self._layer_norm_fwd, self._rms_norm_gated = layer_norm_fwd, rms_norm_gated
-        self.embed_norm, self._is_interpreting = embed_norm, is_interpreting
+        self.embed_norm, self._embed_rms_norm, self._is_interpreting = embed_norm, embed_rms_norm, is_interpreting
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not x.is_cuda:
@@ -89,9 +90,7 @@ class FlaNormBackend(TorchNormBackend):
         """kernels/embed_norm (``embed_norm``: ``TANDEM_EMBED_NORM``), on CUDA and under the interpreter."""
         if not self.embed_norm or not (ids.is_cuda or self._is_interpreting()):
             return None
-        from kernels.embed_norm.triton import embed_rms_norm
-
-        return embed_rms_norm(embedding, ids, weight, eps)
+        return self._embed_rms_norm(embedding, ids, weight, eps)
 
 
 def gpu_norm_backend() -> TorchNormBackend:

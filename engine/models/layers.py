@@ -265,13 +265,15 @@ class GatedMLP(nn.Module):
         fuses it at x's rows (one-row GPU steps, packed weights); else None: the caller runs the norm."""
         if self.gate_up is None or not be.dense.fuses_norm_after(x.shape[0]):
             return None
-        gate, up = self.gate_up(x, be).split(self.gate_up.sizes, dim=-1)
-        return project_norm_after(silu_mul(gate, up), self.down_proj.weight, norm_after, be)
+        return project_norm_after(self._act(self.gate_up(x, be)), self.down_proj.weight, norm_after, be)
 
     def from_gate_up(self, gate_up: torch.Tensor, be: Backends | None = None) -> torch.Tensor:
         """The rest of the MLP from the packed gate | up projection's output [T, 2I] (``pack_weights``)."""
+        return project(self._act(gate_up), self.down_proj.weight, be)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.gate_up.sizes, dim=-1)
-        return project(silu_mul(gate, up), self.down_proj.weight, be)
+        return silu_mul(gate, up)
 
 
 class RotaryEmbedding(nn.Module):
