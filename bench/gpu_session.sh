@@ -77,6 +77,11 @@
 #                                            # tests, b1 / b16 at 4k / 32k with the defaults and each switched off,
 #                                            # twice; the one-row agreement (the dense MLP's next norm and the staged
 #                                            # int32 rows have no switch: decode-timeline-ab against the tree before)
+#   bash bench/gpu_session.sh pdl-prefetch   # 1 x H200: PDL with the one-row GEMVs' weights asked into L2 before their
+#                                            # wait: its tests, b1 at 4k / 32k with PDL off, on without the prefetch
+#                                            # (TANDEM_PDL_PREFETCH_MB=0) and on with it (16 / 32 MB), twice; then
+#                                            # the 2,048-token one-row agreement with TANDEM_PDL=1 (the run that hit
+#                                            # the twenty-fifth session's illegal address)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -105,7 +110,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -218,6 +223,15 @@ case "$step" in
       | tee "$OUT/b1_cuts_33_ab.txt"
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 \
       | grep -v -i warn | grep "one at a time" | tee "$OUT/agreement_b1_cuts_33.txt" ;;
+  pdl-prefetch) python -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_prefetch.py tests/kernels/test_pdl.py \
+      2>&1 | tail -3 | tee "$OUT/gpu_tests_pdl_prefetch.txt"
+    for i in 1 2; do for sw in TANDEM_PDL=0 "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=0" TANDEM_PDL=1 \
+        "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=32"; do echo "== $sw, run $i"; name="${sw// /_}"
+      env $sw python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
+        --out "$OUT/decode_timeline_pdl_prefetch_${name//=/_}_$i.json" 2>&1 | grep "a step"; done; done \
+      | tee "$OUT/pdl_prefetch_ab.txt"
+    TANDEM_PDL=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 \
+      --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_pdl_prefetch.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \

@@ -22,6 +22,11 @@ eagerly and in a graph. Until the racing pair is found (docs/PERFORMANCE.md, twe
 sessions; ``python -m bench.pdl_check`` compares each family's logits with ordinary launches, bit for bit) the
 launches stay ordinary.
 
+Weights before the wait: a one-row GEMV launched with PDL asks for its own slice of the weight to be pulled into
+L2 before ``griddepcontrol.wait`` (``PDL_PREFETCH``, kernels/gemv/triton.py). The weight is read-only, so no
+ordering is needed for it, and HBM streams it while the short kernel before runs instead of after it.
+``TANDEM_PDL_PREFETCH_MB`` bounds what one launch asks for (default 16 MB, a third of the H200's L2; 0: none).
+
 Inside a CUDA graph the launches become programmatic edges of the graph (CUDA 12.3+), so captured steps keep it.
 Off the GPU (and under ``TRITON_INTERPRET=1``, which has no ``griddepcontrol``) it is always off.
 """
@@ -108,6 +113,19 @@ def pdl_kwargs(t: torch.Tensor, site: str) -> dict[str, bool]:
     return {"USE_PDL": on, "launch_pdl": on}
 
 
+@functools.cache
+def prefetch_budget_bytes() -> int:
+    """``TANDEM_PDL_PREFETCH_MB``: the most bytes of weight a PDL launch asks into L2 before its wait (default 16)."""
+    text = os.environ.get("TANDEM_PDL_PREFETCH_MB", "16").strip()
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb <= 1024:
+        raise ValueError(f"TANDEM_PDL_PREFETCH_MB must be a number of MB in 0..1024 (0: no prefetch), got {text!r}")
+    return int(mb * 2**20) // 16 * 16
+
+
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
     """The first statement of a kernel that may be launched with PDL: wait until the kernel before it in the stream
@@ -126,4 +144,13 @@ def pdl_wait(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-__all__ = ["FAMILIES", "SITES", "pdl_enter", "pdl_kwargs", "pdl_wait", "switched_on", "use_pdl"]
+__all__ = [
+    "FAMILIES",
+    "SITES",
+    "pdl_enter",
+    "pdl_kwargs",
+    "pdl_wait",
+    "prefetch_budget_bytes",
+    "switched_on",
+    "use_pdl",
+]

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from kernels.gemv.norm_after import NormAfter, no_norm_after_args, norm_after_last_program, norm_after_outputs
-from kernels.pdl import pdl_enter, pdl_kwargs
+from kernels.pdl import pdl_enter, pdl_kwargs, prefetch_budget_bytes
+from kernels.prefetch.triton import prefetch_span_to_l2
 from kernels.triton_utils import check_device, dot_config, mm, next_pow2
 
 GEMV_MAX_ROWS = 16
@@ -71,6 +72,7 @@ def _gemv_kernel(
     RES_OUT,
     TICKET,
     eps,
+    PF_BYTES,  # PDL_PREFETCH: the most bytes of its weight slice a program asks into L2 before its wait
     ONE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -81,7 +83,14 @@ def _gemv_kernel(
     NORM_AFTER: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PDL_PREFETCH: tl.constexpr,  # only with USE_PDL and a contiguous, 16-byte-aligned W (kernels/pdl.py)
+    PF_LANES: tl.constexpr,  # 32 x num_warps: one prefetch piece a thread
 ):
+    if PDL_PREFETCH:  # launched early by PDL: W is read-only, so its bytes may move before the wait
+        row0 = tl.program_id(0) * BLOCK_N
+        row_bytes = stride_w.to(tl.int64) * W.dtype.element_ty.primitive_bitwidth // 8
+        span = tl.minimum(N - row0, BLOCK_N).to(tl.int64) * row_bytes
+        prefetch_span_to_l2(W.to(tl.pointer_type(tl.uint8)) + row0 * row_bytes, tl.minimum(span, PF_BYTES), PF_LANES)
     pdl_enter(USE_PDL)
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -178,7 +187,10 @@ def _launch(
         raise ValueError(f"rows > 1 run tl.dot: block_n must be >= 16, got {tile.block_n}")
     block_k = min(tile.block_k, max(16, next_pow2(k)))
     dot_f32, prec = dot_config(x.dtype)
-    _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+    grid = triton.cdiv(n, tile.block_n)
+    pdl = pdl_kwargs(x, "gemv.gemv")
+    pf_bytes = _prefetch_bytes(weight, grid) if pdl["USE_PDL"] and m == 1 else 0
+    _gemv_kernel[(grid,)](
         x,
         weight,
         out,
@@ -189,6 +201,7 @@ def _launch(
         weight.stride(0),
         out.stride(0),
         **(after or no_norm_after_args(out)),
+        PF_BYTES=pf_bytes,
         ONE_ROW=m == 1,
         BLOCK_M=16,
         BLOCK_N=tile.block_n,
@@ -197,10 +210,22 @@ def _launch(
         DOT_F32=dot_f32,
         PREC=prec,
         NORM_AFTER=after is not None,
+        PDL_PREFETCH=pf_bytes > 0,
+        PF_LANES=32 * tile.num_warps,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **pdl_kwargs(x, "gemv.gemv"),
+        **pdl,
     )
+
+
+def _prefetch_bytes(weight: torch.Tensor, programs: int) -> int:
+    """Bytes of its weight slice each program of a PDL launch asks into L2 before its wait: the launch's share of
+    ``prefetch_budget_bytes`` (a multiple of 16), or 0 where the bulk prefetch cannot take the weight (not one
+    contiguous, 16-byte-aligned range of 16-byte-multiple rows)."""
+    row_bytes = weight.stride(0) * weight.element_size()
+    if not weight.is_contiguous() or weight.data_ptr() % 16 or row_bytes % 16:
+        return 0
+    return prefetch_budget_bytes() // max(programs, 1) // 16 * 16
 
 
 __all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_norm_after", "gemv_tile"]

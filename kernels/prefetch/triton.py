@@ -31,6 +31,20 @@ MAX_RANGES = 2
 
 
 @triton.jit
+def bulk_prefetch_l2(addr, size):
+    """One instruction a lane: pull ``size`` bytes (a multiple of 16; <= 0 asks nothing) from ``addr`` (16-byte
+    aligned) into L2. ``is_pure=False``: its result is read by no one, and it must not be removed as dead code."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r",
+        [addr, size.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def _l2_prefetch_kernel(
     BASE_A,  # *u8
     NBYTES_A,  # i64, a multiple of 16
@@ -55,14 +69,26 @@ def _l2_prefetch_kernel(
         tl.store(RECORD + row, tl.where(size > 0, offs + tl.where(in_a, 0, 1 << 40), -1))
         tl.store(RECORD + row + 1, tl.maximum(size, 0))
     else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r",
-            [base + offs, size.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        bulk_prefetch_l2(base + offs, size)
+
+
+@triton.jit
+def span_pieces(nbytes, LANES: tl.constexpr):
+    """Lane i's piece of the byte range [0, ``nbytes``) (a multiple of 16): (offset, size) in equal 16-byte-multiple
+    chunks; a lane past the end gets size <= 0 (asks nothing)."""
+    lane = tl.arange(0, LANES).to(tl.int64)
+    chunk = (nbytes + LANES * 16 - 1) // (LANES * 16) * 16
+    offs = lane * chunk
+    return offs, tl.minimum(nbytes - offs, chunk)
+
+
+@triton.jit
+def prefetch_span_to_l2(base, nbytes, LANES: tl.constexpr):
+    """From inside another kernel: ask for ``nbytes`` (a multiple of 16) from ``base`` (a 16-byte-aligned ``*u8``)
+    to be pulled into L2, one bulk-prefetch instruction a lane. ``LANES`` = 32 x the kernel's warps, so each lane
+    holds one piece and no piece is asked twice. A hint: no memory changes. sm_90+ only (no interpreter form)."""
+    offs, size = span_pieces(nbytes, LANES)
+    bulk_prefetch_l2(base + offs, size)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -94,4 +120,12 @@ def l2_prefetch(*tensors: torch.Tensor, record: bool = False) -> torch.Tensor | 
     return out if record else None
 
 
-__all__ = ["CHUNK_BYTES", "LANES", "MAX_RANGES", "l2_prefetch"]
+__all__ = [
+    "CHUNK_BYTES",
+    "LANES",
+    "MAX_RANGES",
+    "bulk_prefetch_l2",
+    "l2_prefetch",
+    "prefetch_span_to_l2",
+    "span_pieces",
+]

@@ -136,11 +136,14 @@ def compile_errors(launches: set[Launch] | list[Launch], timeout: float = 600.0)
 
 def _variants(x: dict) -> list[tuple[dict, dict]]:
     """(constexprs, options) to compile: as recorded, and with PDL on where the kernel takes it (the host never
-    launches with PDL: kernels/pdl.py)."""
+    launches with PDL: kernels/pdl.py), with the weight's L2 prefetch before the wait where it has one."""
     constexprs, options = dict(x["constexprs"]), dict(x["options"])
     out = [(constexprs, options)]
     if constexprs.get("USE_PDL") is False:
-        out.append(({**constexprs, "USE_PDL": True}, {**options, "launch_pdl": True}))
+        on = {**constexprs, "USE_PDL": True}
+        if on.get("PDL_PREFETCH") is False and on.get("ONE_ROW", True):
+            on["PDL_PREFETCH"] = True
+        out.append((on, {**options, "launch_pdl": True}))
     return out
 
 
