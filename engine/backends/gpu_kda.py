@@ -7,13 +7,21 @@ Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
 
 from engine.backends.base import KDABackend
 from engine.backends.fallback import fall_back
+from engine.backends.gpu_kda_switches import (
+    CONV_PLANES,
+    DECODE_GATE_IN_KERNEL,
+    FLA_CONV_MIN_LEN,
+    GATE_IN_CHUNK,
+    LOW_RANK_IN_CONV,
+    LOW_RANK_MAX_ROWS,
+    PLANES_MIN_LEN,
+)
 from engine.backends.gpu_static import KDADecodeStep
 from engine.backends.kda_step import KDAStep, q_lens_of
 from engine.backends.per_step import PerStep
@@ -29,40 +37,6 @@ logger = logging.getLogger(__name__)
 
 
 ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-FLA_CONV_MIN_LEN = (
-    256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
-)
-PLANES_MIN_LEN = FLA_CONV_MIN_LEN
-"""Prefill steps with a chunk this long take the q|k|v conv with q / k normed in one launch
-(kernels/short_conv/planes.py) instead of fla's conv and two ``l2norm`` passes: on the H200, 8-row sub-tiles at
-2 warps, 248 vs 284 us a layer at 8k tokens, 959 vs 1,056 us at 32k (docs/PERFORMANCE.md, sixteenth session).
-``TANDEM_KDA_CONV_PLANES=0`` keeps fla's conv + norms (A/B runs)."""
-CONV_PLANES = os.environ.get("TANDEM_KDA_CONV_PLANES", "1").strip() != "0"
-GATE_IN_CHUNK = os.environ.get("TANDEM_KDA_GATE_IN_CHUNK", "1").strip() != "0"
-"""Prefill-only steps hand chunk_kda the raw gate projection and let fla apply the gate inside its chunk cumsum
-(one pass over [T, H, K] fp32 instead of fla's gate kernel, then the cumsum: 0.38 + 0.41 ms at 8k tokens, 6
-layers). On the H200 an 8k prefill took 39.4 vs 40.6 ms through the piecewise graphs (docs/PERFORMANCE.md,
-seventeenth session); the GPU tests check its tokens and states there (fla's fused path cannot run under the
-interpreter: the host tests check the wiring with the reference chunk function). ``TANDEM_KDA_GATE_IN_CHUNK=0``
-gates first (A/B runs)."""
-
-
-DECODE_GATE_IN_KERNEL = os.environ.get("TANDEM_KDA_DECODE_GATE_IN_KERNEL", "1").strip() != "0"
-"""All-decode steps hand fla's recurrent kernel the raw gate projection and beta's logits
-(``USE_GATE_IN_KERNEL``, ``APPLY_BETA_SIGMOID``): the gate kernel, the sigmoid (a view of one row at batch 1: no
-copy left) and the output's zero fill leave the decode step, 2-3 launches a KDA layer. The gate is fla's gate
-kernel's formula (the same fp32 ops); beta stays fp32 instead of being rounded to bf16 first.
-``TANDEM_KDA_DECODE_GATE_IN_KERNEL=0`` gates and takes the sigmoid first (A/B runs)."""
-
-
-LOW_RANK_IN_CONV = os.environ.get("TANDEM_KDA_LOW_RANK_IN_CONV", "1").strip() != "0"
-"""All-decode steps of at most ``LOW_RANK_MAX_ROWS`` rows run the f_b | g_b up-projections in the short conv's launch
-(kernels/short_conv/low_rank.py) instead of their own batched GEMM: one launch a KDA layer fewer.
-``TANDEM_KDA_LOW_RANK_IN_CONV=0`` keeps the GEMM (A/B runs)."""
-LOW_RANK_MAX_ROWS = 1
-"""Rows up to which the conv's extra programs take the up-projections. On the H100 (docs/PERFORMANCE.md,
-thirty-second session) b1 steps gained 18 us, b16 lost 7-15 us and b64 66-75 us (each of those programs walks every
-row of its channels, after the conv's programs); 2-8 rows were not timed."""
 
 
 class GPUKDABackend(KDABackend):
