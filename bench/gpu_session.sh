@@ -79,7 +79,7 @@
 #                                            # int32 rows have no switch: decode-timeline-ab against the tree before)
 #   bash bench/gpu_session.sh pdl-prefetch   # 1 x H200: PDL with the one-row GEMVs' weights asked into L2 before their
 #                                            # wait: its tests, b1 at 4k / 32k with PDL off, on without the prefetch
-#                                            # (TANDEM_PDL_PREFETCH_MB=0) and on with it (16 / 32 MB), twice; then
+#                                            # (the default) and on with it (TANDEM_PDL_PREFETCH_MB=16 / 4), twice; then
 #                                            # the 2,048-token one-row agreement with TANDEM_PDL=1 (the run that hit
 #                                            # the twenty-fifth session's illegal address)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
@@ -225,8 +225,8 @@ case "$step" in
       | grep -v -i warn | grep "one at a time" | tee "$OUT/agreement_b1_cuts_33.txt" ;;
   pdl-prefetch) python -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_prefetch.py tests/kernels/test_pdl.py \
       2>&1 | tail -3 | tee "$OUT/gpu_tests_pdl_prefetch.txt"
-    for i in 1 2; do for sw in TANDEM_PDL=0 "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=0" TANDEM_PDL=1 \
-        "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=32"; do echo "== $sw, run $i"; name="${sw// /_}"
+    for i in 1 2; do for sw in TANDEM_PDL=0 TANDEM_PDL=1 "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=16" \
+        "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=4"; do echo "== $sw, run $i"; name="${sw// /_}"
       env $sw python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
         --out "$OUT/decode_timeline_pdl_prefetch_${name//=/_}_$i.json" 2>&1 | grep "a step"; done; done \
       | tee "$OUT/pdl_prefetch_ab.txt"

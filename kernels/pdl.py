@@ -25,7 +25,9 @@ launches stay ordinary.
 Weights before the wait: a one-row GEMV launched with PDL asks for its own slice of the weight to be pulled into
 L2 before ``griddepcontrol.wait`` (``PDL_PREFETCH``, kernels/gemv/triton.py). The weight is read-only, so no
 ordering is needed for it, and HBM streams it while the short kernel before runs instead of after it.
-``TANDEM_PDL_PREFETCH_MB`` bounds what one launch asks for (default 16 MB, a third of the H200's L2; 0: none).
+``TANDEM_PDL_PREFETCH_MB`` bounds what one launch asks for (0, the default: none). Measured on the H200 (thirty-fourth
+session, docs/PERFORMANCE.md): b1 steps with PDL on took 916.6 / 957.8 us (4k / 32k) without it and 931.2 / 979.5 us
+with 16 MB, so it stays off; the knob is kept for the next form of the idea.
 
 Inside a CUDA graph the launches become programmatic edges of the graph (CUDA 12.3+), so captured steps keep it.
 Off the GPU (and under ``TRITON_INTERPRET=1``, which has no ``griddepcontrol``) it is always off.
@@ -115,8 +117,8 @@ def pdl_kwargs(t: torch.Tensor, site: str) -> dict[str, bool]:
 
 @functools.cache
 def prefetch_budget_bytes() -> int:
-    """``TANDEM_PDL_PREFETCH_MB``: the most bytes of weight a PDL launch asks into L2 before its wait (default 16)."""
-    text = os.environ.get("TANDEM_PDL_PREFETCH_MB", "16").strip()
+    """``TANDEM_PDL_PREFETCH_MB``: the most bytes of weight a PDL launch asks into L2 before its wait (default 0)."""
+    text = os.environ.get("TANDEM_PDL_PREFETCH_MB", "0").strip()
     try:
         mb = float(text)
     except ValueError:

@@ -79,7 +79,7 @@ def test_default_budget(monkeypatch):
     monkeypatch.delenv("TANDEM_PDL_PREFETCH_MB", raising=False)
     pdl.prefetch_budget_bytes.cache_clear()
     try:
-        assert pdl.prefetch_budget_bytes() == 16 * 2**20
+        assert pdl.prefetch_budget_bytes() == 0  # measured slower on the H200 (kernels/pdl.py)
     finally:
         pdl.prefetch_budget_bytes.cache_clear()
 
