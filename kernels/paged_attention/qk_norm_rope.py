@@ -9,9 +9,11 @@ rotated and stored at the token's cache slot with its v beside it (slot -1: a pr
 
 Numerics follow the unfused ops': the norm in fp32 stored in the activations' dtype (fla's norm), then the rotation
 in that dtype with every product and sum rounded as torch's elementwise ops round them (cos / sin of the fp32 angle
-rounded first). A torch emulation of these steps equals the contract bit for bit on the host; on the H200, though,
-74-81 % of bf16 values were bit-equal to the contract run there (thirty-fourth session: the cause is not found),
-with the tiny Qwen3's greedy tokens equal with the fusion on and off and its agreement unchanged.
+rounded first). The launch turns Triton's FP fusion off: with it, LLVM reads ``(a * b).to(bf16)`` then a bf16 sum as
+bf16 arithmetic and contracts the two into one ``fma.rn.bf16`` (the PTX had four), which skips the product's own
+rounding; on the H200 that left only 74-81 % of bf16 values bit-equal to the contract (thirty-fourth session).
+Without it the PTX has ``mul.rn.bf16`` / ``add.rn.bf16``, which round as torch's fp32 ops then a bf16 cast do (a
+product of two bf16 values and a sum of two are exact in fp32).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def qk_norm_rope_write(
         q, k, v, q_norm_weight, k_norm_weight, positions, inv_freq.float().contiguous(), slot_mapping, q_out, cache,
         h, kvh, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), float(eps),
         HALF=next_pow2(d // 2), num_warps=1 if d <= 128 else 2,
+        enable_fp_fusion=False,  # else LLVM folds a product's bf16 rounding and the sum into one fma.rn.bf16
     )  # fmt: skip
     return q_out
 

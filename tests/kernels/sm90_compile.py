@@ -36,7 +36,7 @@ _DTYPES = {
     torch.uint8: "u8",
     torch.bool: "i1",
 }
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "enable_fp_fusion")
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,30 @@ def compile_errors(launches: set[Launch] | list[Launch], timeout: float = 600.0)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def ptx_of(launch: Launch, timeout: float = 300.0) -> str:
+    """The sm_90 PTX of one launch as recorded (no PDL variant), compiled in a child process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_compile", "--ptx"], input=json.dumps([asdict(launch)]),
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"the compile process failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])[0]
+
+
+def _ptx(x: dict) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(x["module"]), x["kernel"])
+    names = [name for name, _ in x["signature"]]
+    consts = {(names.index(k),): v for k, v in x["constexprs"]}
+    src = ASTSource(fn, dict(x["signature"]), consts)
+    return triton.compile(src, target=GPUTarget(*TARGET), options=dict(x["options"])).asm["ptx"]
+
+
 def _variants(x: dict) -> list[tuple[dict, dict]]:
     """(constexprs, options) to compile: as recorded, and with PDL on where the kernel takes it (the host never
     launches with PDL: kernels/pdl.py), with the weight's L2 prefetch before the wait where it has one."""
@@ -170,8 +194,11 @@ def _compile(x: dict) -> list[str]:
 
 
 def main() -> None:
-    """Child: compile the launches read from stdin (JSON), print the errors as one JSON line."""
+    """Child: compile the launches read from stdin (JSON), print the errors (``--ptx``: the PTX) as one JSON line."""
     launches = json.loads(sys.stdin.read())
+    if sys.argv[1:] == ["--ptx"]:
+        print(json.dumps([_ptx(x) for x in launches]))
+        return
     print(json.dumps([err for x in launches for err in _compile(x)]))
 
 
