@@ -7,7 +7,8 @@ as a compile error.) Triton compiles without a GPU when it is given the target: 
 
 ``record_launches()`` keeps each interpreted launch's kernel, argument types and constexprs, as Triton's JIT would
 specialise them (deduplicated); ``compile_errors(launches)`` compiles each one to a cubin for sm_90 in a child
-process whose kernels are compiled-mode (``TRITON_INTERPRET`` unset) and returns what failed.
+process whose kernels are compiled-mode (``TRITON_INTERPRET`` unset) and returns what failed, and any launch whose
+PTX has a half-precision FMA (a rounding the kernel meant, skipped by Triton's FP fusion).
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ def _variants(x: dict) -> list[tuple[dict, dict]]:
     return out
 
 
+_SKIPPED_ROUNDING = ("fma.rn.bf16", "fma.rn.f16")
+"""Half-precision FMAs: LLVM's contraction of a product rounded to bf16 / fp16 and the sum after it, which skips the
+product's rounding (Triton's FP fusion; found in the thirty-fourth session's Qwen3 kernel)."""
+
+
 def _compile(x: dict) -> list[str]:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -183,7 +189,10 @@ def _compile(x: dict) -> list[str]:
     for constexprs, options in _variants(x):
         src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
         try:
-            triton.compile(src, target=GPUTarget(*TARGET), options=options)
+            ptx = triton.compile(src, target=GPUTarget(*TARGET), options=options).asm["ptx"]
+            # our kernels keep fp32 between the roundings they mean: a half-precision FMA skipped one
+            skipped = [op for op in _SKIPPED_ROUNDING if op in ptx]
+            errors += [f"{x['module']}.{x['kernel']} {constexprs}: {op} in the PTX" for op in skipped]
         except Exception as e:  # each failure is reported with its kernel; none stops the others
             why = []  # Triton's CompilationError names the call site; its cause says what is wrong inside it
             while e is not None:
