@@ -83,6 +83,24 @@ def span_pieces(nbytes, LANES: tl.constexpr):
 
 
 @triton.jit
+def _span_pieces_kernel(OUT, nbytes, LANES: tl.constexpr):
+    offs, size = span_pieces(nbytes, LANES)
+    lane = tl.arange(0, LANES)
+    tl.store(OUT + lane * 2, offs)
+    tl.store(OUT + lane * 2 + 1, size)
+
+
+def record_span_pieces(nbytes: int, lanes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``span_pieces``' (offset, size) of each of ``lanes`` lanes for a range of ``nbytes``, as [lanes, 2] int64:
+    what ``prefetch_span_to_l2`` asks for, written out instead (runs under the interpreter; for tests)."""
+    if nbytes % 16 or nbytes <= 0 or lanes <= 0 or lanes & (lanes - 1):
+        raise ValueError(f"nbytes: a positive multiple of 16, lanes: a power of two; got {nbytes}, {lanes}")
+    out = torch.full((lanes, 2), -7, dtype=torch.int64, device=device)
+    _span_pieces_kernel[(1,)](out, nbytes, LANES=lanes)
+    return out
+
+
+@triton.jit
 def prefetch_span_to_l2(base, nbytes, LANES: tl.constexpr):
     """From inside another kernel: ask for ``nbytes`` (a multiple of 16) from ``base`` (a 16-byte-aligned ``*u8``)
     to be pulled into L2, one bulk-prefetch instruction a lane. ``LANES`` = 32 x the kernel's warps, so each lane
@@ -127,5 +145,6 @@ __all__ = [
     "bulk_prefetch_l2",
     "l2_prefetch",
     "prefetch_span_to_l2",
+    "record_span_pieces",
     "span_pieces",
 ]

@@ -11,13 +11,11 @@ import sys
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 import kernels.pdl as pdl
 from kernels.gemv import triton as gemv_mod
-from kernels.prefetch.triton import span_pieces
-from tests.kernels.helpers import ON_CUDA
+from kernels.prefetch.triton import record_span_pieces
+from tests.kernels.helpers import DEVICE, ON_CUDA
 
 HOPPER = ON_CUDA and torch.cuda.get_device_capability()[0] >= 9
 
@@ -36,30 +34,25 @@ def env_switch(monkeypatch):
     pdl.prefetch_budget_bytes.cache_clear()
 
 
-@triton.jit
-def _pieces_kernel(OUT, nbytes, LANES: tl.constexpr):
-    offs, size = span_pieces(nbytes, LANES)
-    lane = tl.arange(0, LANES)
-    tl.store(OUT + lane * 2, offs)
-    tl.store(OUT + lane * 2 + 1, size)
-
-
 @pytest.mark.parametrize("lanes", [32, 128, 256])
 @pytest.mark.parametrize("nbytes", [16, 4608, 8 * 4096 * 2, 32 * 2304 * 2, 1_048_576, 16 * 1000 + 16])
 def test_span_pieces_cover_the_slice_once(nbytes, lanes):
-    if not (ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"):
-        pytest.skip("a Triton kernel: needs a GPU or TRITON_INTERPRET=1 (make test sets it)")
-    out = torch.full((lanes, 2), -7, dtype=torch.int64, device="cuda" if ON_CUDA else "cpu")
-    _pieces_kernel[(1,)](out, nbytes, LANES=lanes)
+    out = record_span_pieces(nbytes, lanes, DEVICE).cpu().tolist()
     at = 0
-    for off, size in out.cpu().tolist():
+    for off, size in out:
         if size <= 0:
             continue  # a lane past the end asks nothing
         assert off == at and off % 16 == 0 and size % 16 == 0, (off, size, at)
         at += size
     assert at == nbytes
-    sizes = [s for _, s in out.cpu().tolist() if s > 0]
+    sizes = [s for _, s in out if s > 0]
     assert all(s == sizes[0] for s in sizes[:-1]) and sizes[-1] <= sizes[0]  # equal chunks, the last one shorter
+
+
+def test_span_pieces_argument_errors():
+    for nbytes, lanes in ((0, 32), (24, 32), (32, 48)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            record_span_pieces(nbytes, lanes)
 
 
 def test_budget_switch(env_switch):
