@@ -147,15 +147,20 @@ def ptx_of(launch: Launch, timeout: float = 300.0) -> str:
     return json.loads(proc.stdout.strip().splitlines()[-1])[0]
 
 
-def _ptx(x: dict) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _source(x: dict, constexprs: dict):
+    """Triton's compile source of a recorded launch with these constexpr values."""
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(x["module"]), x["kernel"])
     names = [name for name, _ in x["signature"]]
-    consts = {(names.index(k),): v for k, v in x["constexprs"]}
-    src = ASTSource(fn, dict(x["signature"]), consts)
+    return ASTSource(fn, dict(x["signature"]), {(names.index(k),): v for k, v in constexprs.items()})
+
+
+def _ptx(x: dict) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = _source(x, dict(x["constexprs"]))
     return triton.compile(src, target=GPUTarget(*TARGET), options=dict(x["options"])).asm["ptx"]
 
 
@@ -180,14 +185,10 @@ product's rounding (Triton's FP fusion; found in the thirty-fourth session's Qwe
 def _compile(x: dict) -> list[str]:
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(x["module"]), x["kernel"])
-    names = [name for name, _ in x["signature"]]
-    signature = dict(x["signature"])
     errors = []
     for constexprs, options in _variants(x):
-        src = ASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()})
+        src = _source(x, constexprs)
         try:
             ptx = triton.compile(src, target=GPUTarget(*TARGET), options=options).asm["ptx"]
             # our kernels keep fp32 between the roundings they mean: a half-precision FMA skipped one
