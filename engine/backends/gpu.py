@@ -25,6 +25,7 @@ from kernels.moe.combine import moe_combine_auto
 from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_norm
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
+from kernels.moe.down_norm import moe_experts_decode_add_norm
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.route_fused import RouteTicket, router_route
@@ -216,6 +217,7 @@ class GPUMoEBackend(MoEBackend):
         self.fold_shared = self.decode_kernels and os.environ.get("TANDEM_MOE_FOLD_SHARED", "1").strip() != "0"
         self.pair_rows = os.environ.get("TANDEM_MOE_PAIR_ROWS", "1").strip() != "0"
         self.combine_norm = os.environ.get("TANDEM_MOE_COMBINE_NORM", "1").strip() != "0"
+        self.down_norm = os.environ.get("TANDEM_MOE_DOWN_NORM", "1").strip() != "0"
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -225,7 +227,9 @@ class GPUMoEBackend(MoEBackend):
                 raise ValueError(f"TANDEM_MOE_FUSED_ROUTE_ROWS must be a row count (0: off), got {rows!r}")
             fused_route_rows = int(rows)
         self.fused_route_rows = min(fused_route_rows, 64)  # kernels/moe/route_fused.py takes up to 64 rows
-        self._route_ticket = RouteTicket()
+        # the launches whose last program finishes the work (the router + top-k, the down + combine + norm):
+        # serial on the step's stream, each leaves it at 0
+        self._ticket = RouteTicket()
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -274,7 +278,7 @@ class GPUMoEBackend(MoEBackend):
         the same routing as ``TANDEM_MOE_ROUTER_GEMV=1``'s two launches). The ticket is made on the first call of
         any size, which is an eager prefill before any decode graph is captured."""
         if self._router_kernels_take(x, weight) and x.ndim == 2:
-            ticket = self._route_ticket.get(x.device)
+            ticket = self._ticket.get(x.device)
             if 0 < x.shape[0] <= self.fused_route_rows and x.dtype == weight.dtype:
                 return router_route(
                     x, weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
@@ -306,7 +310,9 @@ class GPUMoEBackend(MoEBackend):
     def fuses_add_norm(self, num_tokens: int) -> bool:
         """One-token steps on the pair-row decode kernels with the shared expert folded: the combine runs the next
         layer's input norm (or the final norm) in its launch, one launch a MoE layer fewer
-        (kernels/moe/combine_norm.py; ``TANDEM_MOE_COMBINE_NORM=0`` keeps the norm's own launch)."""
+        (kernels/moe/combine_norm.py; ``TANDEM_MOE_COMBINE_NORM=0`` keeps the norm's own launch). Its combine + norm
+        runs in the down launch's last program (kernels/moe/down_norm.py; ``TANDEM_MOE_DOWN_NORM=0``: its own
+        launch)."""
         return self.combine_norm and self.pair_rows and num_tokens == 1 and self.folds_shared(num_tokens)
 
     def experts_add_norm(
@@ -322,7 +328,13 @@ class GPUMoEBackend(MoEBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         an = add_norm
         try:
-            y = moe_experts_decode(x if x.stride(1) == 1 else x.contiguous(), None, w13, w2, ids=ids.reshape(-1))
+            x_row = x if x.stride(1) == 1 else x.contiguous()
+            if self.down_norm and an.residual.stride(1) == 1:  # the combine + norm in the down launch's last program
+                ticket = self._ticket.get(x.device)
+                return moe_experts_decode_add_norm(
+                    x_row, w13, w2, ids.reshape(-1), weights, an.residual, an.weight, an.eps, ticket
+                )
+            y = moe_experts_decode(x_row, None, w13, w2, ids=ids.reshape(-1))
             return moe_combine_add_norm(y, None, weights, an.residual, an.weight, an.eps, x.dtype)
         except Exception as err:  # as in experts: the grouped path for good, the norm in torch after it
             self._decode_failed = True

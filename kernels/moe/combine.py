@@ -18,8 +18,11 @@ from kernels.triton_utils import check_device, is_interpreting, next_pow2
 
 
 @triton.jit
-def weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K: tl.constexpr, PAIR_ORDER: tl.constexpr):
-    """Token t's k expert outputs at ``cols``, weighted and summed in fp32 (rows from ROWS, or pair order)."""
+def weighted_expert_sum(
+    Y, ROWS, W, t, cols, m, stride_y, TOP_K: tl.constexpr, PAIR_ORDER: tl.constexpr, CACHE: tl.constexpr
+):
+    """Token t's k expert outputs at ``cols``, weighted and summed in fp32 (rows from ROWS, or pair order).
+    CACHE: Y's load cache modifier (".cg" where other programs of the same launch wrote Y: past L1)."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         if PAIR_ORDER:
@@ -27,7 +30,7 @@ def weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K: tl.constexpr, P
         else:
             row = tl.load(ROWS + t * TOP_K + s)
         w = tl.load(W + t * TOP_K + s).to(tl.float32)
-        acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0).to(tl.float32)
+        acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
     return acc
 
 
@@ -52,7 +55,7 @@ def _moe_combine_kernel(
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = cols < H
-    acc = weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K, PAIR_ORDER)
+    acc = weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K, PAIR_ORDER, "")
     if HAS_ADD:  # rounded first, then added and rounded again: bit for bit the separate `y + shared`
         add = tl.load(ADD + t.to(tl.int64) * stride_add + cols, mask=m, other=0.0).to(tl.float32)
         acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + add

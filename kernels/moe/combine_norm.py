@@ -26,6 +26,26 @@ from kernels.triton_utils import check_device, next_pow2
 
 
 @triton.jit
+def combine_add_norm_row(
+    Y, ROWS, W, RESIDUAL, NORM_W, OUT, RES_OUT, t, H, eps, stride_y, stride_res, stride_out, stride_res_out,
+    TOP_K: tl.constexpr, PAIR_ORDER: tl.constexpr, BLOCK_H: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """Token t's combine, residual add and norm over its whole row (BLOCK_H >= H). CACHE: Y's load cache modifier
+    (".cg" in the MoE down launch's last program, kernels/moe/down_norm.py: other SMs wrote Y)."""
+    cols = tl.arange(0, BLOCK_H)
+    m = cols < H
+    acc = weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K, PAIR_ORDER, CACHE)
+    # the combine's output as the separate launch stores it, then fla's add-norm on it
+    x = acc.to(OUT.dtype.element_ty).to(tl.float32)
+    x += tl.load(RESIDUAL + t * stride_res + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(RES_OUT + t * stride_res_out + cols, x.to(RES_OUT.dtype.element_ty), mask=m)
+    xm = tl.where(m, x, 0.0)
+    rstd = 1 / tl.sqrt(tl.sum(xm * xm, axis=0) / H + eps)
+    nw = tl.load(NORM_W + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_out + cols, (x * rstd * nw).to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _moe_combine_add_norm_kernel(
     Y,  # [T*k, H] expert outputs, sorted rows
     ROWS,  # [T*k] int64 sorted row of pair t*k + s (not read with PAIR_ORDER)
@@ -46,18 +66,10 @@ def _moe_combine_add_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    m = cols < H
-    acc = weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K, PAIR_ORDER)
-    # the combine's output as the separate launch stores it, then fla's add-norm on it
-    x = acc.to(OUT.dtype.element_ty).to(tl.float32)
-    x += tl.load(RESIDUAL + t * stride_res + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(RES_OUT + t * stride_res_out + cols, x.to(RES_OUT.dtype.element_ty), mask=m)
-    xm = tl.where(m, x, 0.0)
-    rstd = 1 / tl.sqrt(tl.sum(xm * xm, axis=0) / H + eps)
-    nw = tl.load(NORM_W + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + t * stride_out + cols, (x * rstd * nw).to(OUT.dtype.element_ty), mask=m)
+    combine_add_norm_row(
+        Y, ROWS, W, RESIDUAL, NORM_W, OUT, RES_OUT, tl.program_id(0).to(tl.int64), H, eps, stride_y, stride_res,
+        stride_out, stride_res_out, TOP_K, PAIR_ORDER, BLOCK_H, "",
+    )  # fmt: skip
 
 
 def moe_combine_add_norm(
@@ -124,4 +136,4 @@ def naive_combine_add_norm(
     return add_rms_norm_reference(moe_combine(y, rows, weights, out_dtype), residual, norm_weight, eps)
 
 
-__all__ = ["add_rms_norm_reference", "moe_combine_add_norm", "naive_combine_add_norm"]
+__all__ = ["add_rms_norm_reference", "combine_add_norm_row", "moe_combine_add_norm", "naive_combine_add_norm"]

@@ -119,6 +119,36 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def down_program(
+    A, ENDS, IDS, POS, W2, Y, H, INTER, stride_a, stride_we, stride_wn, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    COMPACT: tl.constexpr, PAIR_ROWS: tl.constexpr,
+):  # fmt: skip
+    """This program's (expert, BLOCK_N columns of H) of the down GEMM: streams the expert's down rows over I."""
+    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT, PAIR_ROWS)
+    if start >= 0:
+        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < H
+        w = W2 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
+        for m0 in range(start, end, BLOCK_M):
+            o_m = m0 + tl.arange(0, BLOCK_M)
+            m_m = o_m < end
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                o_k = k0 + tl.arange(0, BLOCK_K)
+                m_k = o_k < INTER
+                a = tl.load(
+                    A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :],
+                    mask=m_m[:, None] & m_k[None, :],
+                    other=0.0,
+                )
+                b = tl.load(w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+                acc += mm(a, tl.trans(b), DOT_F32, PREC)
+            p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
+            tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
 def _down_kernel(
     A,  # [N, I] sorted rows
     ENDS,  # [E] int32
@@ -142,26 +172,10 @@ def _down_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT, PAIR_ROWS)
-    if start < 0:
-        return
-    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < H
-    w = W2 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
-    for m0 in range(start, end, BLOCK_M):
-        o_m = m0 + tl.arange(0, BLOCK_M)
-        m_m = o_m < end
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < INTER
-            a = tl.load(
-                A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
-            )
-            b = tl.load(w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-            acc += mm(a, tl.trans(b), DOT_F32, PREC)
-        p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
-        tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    down_program(
+        A, ENDS, IDS, POS, W2, Y, H, INTER, stride_a, stride_we, stride_wn, stride_y,
+        BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, COMPACT, PAIR_ROWS,
+    )  # fmt: skip
 
 
 def decode_gemm_tiles(block_m: int, block_n: int, block_k: int = 128, num_warps: int = 4) -> GemmTiles:
@@ -258,11 +272,7 @@ def moe_experts_decode(
         else:
             pairs, pos, grid0 = ends, ends, e  # unused pointers
     blocks.update(COMPACT=compact, PAIR_ROWS=al is None)
-    _gate_up_kernel[(grid0, triton.cdiv(i, gu.block_n))](
-        x, token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
-        a.stride(0), **blocks, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
-        num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_kwargs(x, "moe.gate_up"),
-    )  # fmt: skip
+    launch_gate_up(x, token, ends, pairs, pos, w13, a, grid0, gu, blocks)
     _down_kernel[(grid0, triton.cdiv(h, dn.block_n))](
         a, ends, pairs, pos, w2, y, h, i, a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks,
         BLOCK_M=dn.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps, num_stages=dn.num_stages,
@@ -271,10 +281,33 @@ def moe_experts_decode(
     return y
 
 
+def launch_gate_up(
+    x: torch.Tensor,
+    token: torch.Tensor,
+    ends: torch.Tensor,
+    pairs: torch.Tensor,
+    pos: torch.Tensor,
+    w13: torch.Tensor,
+    a: torch.Tensor,
+    grid0: int,
+    gu: GemmTiles,
+    blocks: dict[str, object],
+) -> None:
+    """The gate-up launch into a [N, I] (checked arguments: ``moe_experts_decode``, kernels/moe/down_norm.py)."""
+    h, i = x.shape[1], a.shape[1]
+    _gate_up_kernel[(grid0, triton.cdiv(i, gu.block_n))](
+        x, token, ends, pairs, pos, w13, a, h, i, i * w13.stride(1), x.stride(0), w13.stride(0), w13.stride(1),
+        a.stride(0), **blocks, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl_kwargs(x, "moe.gate_up"),
+    )  # fmt: skip
+
+
 __all__ = [
     "MAX_PAIRS",
     "decode_gemm_tiles",
     "decode_tiles",
+    "down_program",
+    "launch_gate_up",
     "moe_experts_decode",
     "parse_one_row_tiles",
 ]

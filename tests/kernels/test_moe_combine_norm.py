@@ -79,6 +79,7 @@ def test_one_token_steps_run_the_next_norm_in_the_combine(tiny_models, monkeypat
 
     monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")
     monkeypatch.setenv("TANDEM_MOE_COMBINE_NORM", combine_norm)
+    monkeypatch.setenv("TANDEM_MOE_DOWN_NORM", "0")  # its own launch (the down launch's: test_moe_down_norm.py)
     calls = []
     real = gpu_mod.moe_combine_add_norm
     monkeypatch.setattr(gpu_mod, "moe_combine_add_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -41,8 +41,11 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     with record_launches() as seen:
         eng.generate(random_prompts(1, [20], seed=1), params)  # one row: every one-row kernel
         eng.generate(random_prompts(3, [30, 9, 17], seed=2), params)  # batched: the sorted layouts, the splits
-        # the first input norm on its own again: the add-norm GEMV (off by default) takes it at one row
+        # the first input norm on its own again: the add-norm GEMV (off by default) takes it at one row; the MoE's
+        # combine + next norm in a launch of its own (TANDEM_MOE_DOWN_NORM=0)
         eng.model.backends = dataclasses.replace(backends, norm=FlaNormBackend(embed_norm=False))
+        if arch == "kimi_linear":
+            backends.moe.down_norm = False
         eng.generate(random_prompts(1, [20], seed=1), params)
     launches = _ours(seen)
     kernels = {x.kernel for x in launches}
@@ -51,7 +54,8 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     want |= (
         {"_add_norm_gemv_kernel", "_gated_norm_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel"}
         | {"_router_route_kernel", "_sigmoid_topk_kernel"}  # one-row steps route in one launch, batched in two
-        | {"_moe_combine_add_norm_kernel"}  # one-row steps: the next norm in the combine
+        | {"_down_combine_norm_kernel"}  # one-row steps: the combine and the next norm in the down launch
+        | {"_moe_combine_add_norm_kernel"}  # the same in a launch of its own
         | {"_head_gemv_kernel"}  # one query: MLA's W_UK and W_UV^T
         if arch == "kimi_linear"
         else set()
