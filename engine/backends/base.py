@@ -271,6 +271,27 @@ class MoEBackend(ABC):
         """``experts`` followed by the next norm (``AddNorm``), where ``fuses_add_norm`` said yes."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the next norm (fuses_add_norm is False)")
 
+    def route_experts_add_norm(
+        self,
+        x: torch.Tensor,
+        router_weight: torch.Tensor,
+        router_weight_fp32: torch.Tensor | None,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        renormalize: bool,
+        scaling_factor: float,
+        extra_expert: int,
+        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        add_norm: AddNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A MoE block with its shared expert folded (expert ``extra_expert``), where ``fuses_add_norm`` said yes:
+        ``route_hidden`` then ``experts_add_norm`` on ``experts`` = (w1, w3, w2, w13). A backend may run the
+        two in fewer launches (the GPU backend at one token: kernels/moe/route_gate_up.py)."""
+        weights, ids = self.route_hidden(
+            x, router_weight, router_weight_fp32, correction_bias, top_k, renormalize, scaling_factor, extra_expert
+        )
+        return self.experts_add_norm(x, weights, ids, *experts, add_norm)
+
     @abstractmethod
     def experts(
         self,

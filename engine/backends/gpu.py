@@ -24,11 +24,12 @@ from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
 from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_norm
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
-from kernels.moe.decode import moe_experts_decode
-from kernels.moe.down_norm import moe_experts_decode_add_norm
+from kernels.moe.decode import decode_tiles, moe_experts_decode
+from kernels.moe.down_norm import down_combine_norm, moe_experts_decode_add_norm
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.route_fused import RouteTicket, router_route
+from kernels.moe.route_gate_up import route_gate_up
 from kernels.moe.router import router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.paged_attention.latent_write import write_mla_latent_triton
@@ -36,7 +37,7 @@ from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
 from kernels.paged_attention.qk_norm_rope import qk_norm_rope_write
 from kernels.paged_attention.triton import attention_fwd
-from kernels.triton_utils import is_interpreting
+from kernels.triton_utils import LaunchTicket, is_interpreting
 
 # FlashMLA's split plan made once a step and shared by the MLA layers (kernels/flashmla/decode.DecodeSchedule);
 # TANDEM_FLASHMLA_SHARED_PLAN=0 plans in every layer, for A / B runs
@@ -218,6 +219,7 @@ class GPUMoEBackend(MoEBackend):
         self.pair_rows = os.environ.get("TANDEM_MOE_PAIR_ROWS", "1").strip() != "0"
         self.combine_norm = os.environ.get("TANDEM_MOE_COMBINE_NORM", "1").strip() != "0"
         self.down_norm = os.environ.get("TANDEM_MOE_DOWN_NORM", "1").strip() != "0"
+        self.route_gate_up = os.environ.get("TANDEM_MOE_ROUTE_GATE_UP", "1").strip() != "0"  # with down_norm
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -230,6 +232,7 @@ class GPUMoEBackend(MoEBackend):
         # the launches whose last program finishes the work (the router + top-k, the down + combine + norm):
         # serial on the step's stream, each leaves it at 0
         self._ticket = RouteTicket()
+        self._sync = LaunchTicket(3)  # kernels/moe/route_gate_up.py's counters
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -279,6 +282,7 @@ class GPUMoEBackend(MoEBackend):
         any size, which is an eager prefill before any decode graph is captured."""
         if self._router_kernels_take(x, weight) and x.ndim == 2:
             ticket = self._ticket.get(x.device)
+            self._sync.get(x.device)  # made here too, eagerly: one-token steps may be captured at once
             if 0 < x.shape[0] <= self.fused_route_rows and x.dtype == weight.dtype:
                 return router_route(
                     x, weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
@@ -314,6 +318,41 @@ class GPUMoEBackend(MoEBackend):
         runs in the down launch's last program (kernels/moe/down_norm.py; ``TANDEM_MOE_DOWN_NORM=0``: its own
         launch)."""
         return self.combine_norm and self.pair_rows and num_tokens == 1 and self.folds_shared(num_tokens)
+
+    def route_experts_add_norm(
+        self,
+        x: torch.Tensor,
+        router_weight: torch.Tensor,
+        router_weight_fp32: torch.Tensor | None,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        renormalize: bool,
+        scaling_factor: float,
+        extra_expert: int,
+        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        add_norm: AddNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token: the block in two launches, the routing inside the gate-up's (kernels/moe/route_gate_up.py)
+        and the combine + norm inside the down's (``TANDEM_MOE_ROUTE_GATE_UP=0``: the routing's own launch)."""
+        an, (_, _, w2, w13) = add_norm, experts
+        fits = x.shape[0] == 1 and x.dtype == router_weight.dtype and an.residual.stride(1) == 1
+        on = self.route_gate_up and self.down_norm and self.fused_route_rows > 0
+        if on and fits and self._router_kernels_take(x, router_weight):
+            try:
+                x_row = x if x.stride(1) == 1 else x.contiguous()
+                sync, ticket = self._sync.get(x.device), self._ticket.get(x.device)
+                weights, ids, a = route_gate_up(
+                    x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert
+                )
+                return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket,
+                                         decode_tiles(1)[1])  # fmt: skip
+            except Exception as err:  # the routing's own launch from here on
+                self.route_gate_up = False
+                fall_back("MoE route + gate-up launch", "one-token steps route in a launch of their own", err)
+        return super().route_experts_add_norm(
+            x, router_weight, router_weight_fp32, correction_bias, top_k, renormalize, scaling_factor, extra_expert,
+            experts, add_norm,
+        )  # fmt: skip
 
     def experts_add_norm(
         self,

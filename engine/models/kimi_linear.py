@@ -273,21 +273,21 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, be: Backends, add_norm: AddNorm | None = None):
         """The block's output [T, H]; with ``add_norm`` (where ``fuses_add_norm``) the next norm's pair instead."""
         fold = self._with_shared is not None and be.moe.folds_shared(x.shape[0])
-        weights, ids = be.moe.route_hidden(  # routing in fp32
-            x,
+        route = (
             self.gate.weight,
             self._gate_fp32,
             self.gate.e_score_correction_bias,
             self.cfg.num_experts_per_token,
             self.cfg.moe_renormalize,
             self.cfg.routed_scaling_factor,
-            extra_expert=self.experts.w1.shape[0] if fold else None,
         )
+        if fold and add_norm is not None:  # the whole block, with the next norm, as the backend runs it
+            be.l2.join()  # the shared expert's prefetch (``prefetch``), before anything reads it
+            return be.moe.route_experts_add_norm(x, *route, self.experts.w1.shape[0], self._with_shared, add_norm)
+        weights, ids = be.moe.route_hidden(x, *route, extra_expert=self.experts.w1.shape[0] if fold else None)
         be.l2.join()  # the shared expert's prefetch (``prefetch``), before the experts read it
         if fold:  # the shared expert is expert E, weight 1.0: summed with the routed ones in the same launches
             w1, w3, w2, w13 = self._with_shared
-            if add_norm is not None:
-                return be.moe.experts_add_norm(x, weights, ids, w1, w3, w2, w13, add_norm)
             return be.moe.experts(x, weights, ids, w1, w3, w2, w13=w13)
         if add_norm is not None:
             raise ValueError("add_norm needs the shared expert folded (fuses_add_norm is False for this step)")

@@ -89,9 +89,21 @@ def _gate_up_kernel(
 ):
     pdl_enter(USE_PDL)
     e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT, PAIR_ROWS)
-    if start < 0:
-        return
-    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if start >= 0:
+        gate_up_rows(
+            X, TOKEN, W13, A, e, start, end, tl.program_id(1), H, INTER, up_offset, stride_x, stride_we, stride_wn,
+            stride_a, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, PAIR_ROWS,
+        )  # fmt: skip
+
+
+@triton.jit
+def gate_up_rows(
+    X, TOKEN, W13, A, e, start, end, i_n, H, INTER, up_offset, stride_x, stride_we, stride_wn, stride_a,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    PAIR_ROWS: tl.constexpr,
+):  # fmt: skip
+    """Expert e's sorted rows [start, end), columns block ``i_n`` of I: silu(gate) * up into A."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < INTER
     w_gate = W13 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + up_offset
@@ -307,6 +319,7 @@ __all__ = [
     "decode_gemm_tiles",
     "decode_tiles",
     "down_program",
+    "gate_up_rows",
     "launch_gate_up",
     "moe_experts_decode",
     "parse_one_row_tiles",

@@ -88,7 +88,7 @@ def moe_experts_decode_add_norm(
     weights [1, k], added to residual [1, H] and normed by norm_weight [H] -> (the norm's output [1, H] in x's
     dtype, the new residual [1, H] in residual's dtype), in two launches. ticket: an int32 [1] at 0 on x's device
     (``kernels.triton_utils.LaunchTicket``), left at 0; launches that share it must not overlap (one stream)."""
-    check_device("moe_experts_decode_add_norm", x, w13, w2, ids, weights, residual, norm_weight, ticket)
+    check_device("moe_experts_decode_add_norm", x, w13, w2, ids)
     e, i2, h = w13.shape
     i = i2 // 2
     k = ids.numel()
@@ -97,31 +97,54 @@ def moe_experts_decode_add_norm(
             f"one token x [1, H], w13 [E, 2I, H], w2 [E, H, I], ids [k] int64 (k > 0); got x {tuple(x.shape)}, "
             f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, ids {ids.dtype} {tuple(ids.shape)}"
         )
-    if weights.shape != (1, k) or residual.shape != (1, h) or norm_weight.shape != (h,):
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("x, w13 and w2 must be contiguous along their last dimension")
+    default_gu, default_dn = decode_tiles(1)
+    a = torch.empty(k, i, dtype=x.dtype, device=x.device)
+    dot_f32, prec = dot_config(x.dtype)
+    blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
+    launch_gate_up(x, ids, ids, ids, ids, w13, a, k, gate_up or default_gu, blocks)
+    return down_combine_norm(a, ids, w2, weights, residual, norm_weight, eps, ticket, down or default_dn)
+
+
+def down_combine_norm(
+    a: torch.Tensor,
+    ids: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    ticket: torch.Tensor,
+    down: GemmTiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The down launch of one token's k experts from their silu(gate) * up rows a [k, I] (pair order) -> (the
+    norm's output [1, H] in a's dtype, the new residual [1, H]); ids [k] int64 (distinct), the rest as
+    ``moe_experts_decode_add_norm`` takes them."""
+    check_device("down_combine_norm", a, ids, w2, weights, residual, norm_weight, ticket)
+    k, i = a.shape
+    h = w2.shape[1]
+    if w2.shape[2] != i or w2.stride(2) != 1 or ids.shape != (k,) or ids.dtype != torch.int64:
+        raise ValueError(f"w2 [E, H, {i}] with a unit stride on I and ids [{k}] int64; got {tuple(w2.shape)}, "
+                         f"{ids.dtype} {tuple(ids.shape)}")  # fmt: skip
+    if weights.shape != (1, k) or residual.shape != (1, h) or norm_weight.shape != (h,) or residual.stride(1) != 1:
         raise ValueError(
-            f"weights [1, {k}], residual [1, {h}], norm_weight [{h}]; got {tuple(weights.shape)}, "
-            f"{tuple(residual.shape)}, {tuple(norm_weight.shape)}"
+            f"weights [1, {k}], residual [1, {h}] with a unit column stride, norm_weight [{h}]; got "
+            f"{tuple(weights.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
         )
-    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1 or residual.stride(1) != 1:
-        raise ValueError("x, w13, w2 and residual must be contiguous along their last dimension")
     if ticket.shape != (1,) or ticket.dtype != torch.int32:
         raise ValueError(f"ticket must be an int32 [1], got {ticket.dtype} {tuple(ticket.shape)}")
-    default_gu, default_dn = decode_tiles(1)
-    gu, dn = gate_up or default_gu, down or default_dn
-    a = torch.empty(k, i, dtype=x.dtype, device=x.device)
-    y = torch.empty(k, h, dtype=x.dtype, device=x.device)
-    out = torch.empty(1, h, dtype=x.dtype, device=x.device)
-    res_out = torch.empty(1, h, dtype=residual.dtype, device=x.device)
-    dot_f32, prec = dot_config(x.dtype)
-    blocks = dict(DOT_F32=dot_f32, PREC=prec)
-    launch_gate_up(x, ids, ids, ids, ids, w13, a, k, gu, dict(blocks, COMPACT=False, PAIR_ROWS=True))
-    _down_combine_norm_kernel[(k, triton.cdiv(h, dn.block_n))](
+    y = torch.empty(k, h, dtype=a.dtype, device=a.device)
+    out = torch.empty(1, h, dtype=a.dtype, device=a.device)
+    res_out = torch.empty(1, h, dtype=residual.dtype, device=a.device)
+    dot_f32, prec = dot_config(a.dtype)
+    _down_combine_norm_kernel[(k, triton.cdiv(h, down.block_n))](
         a, ids, w2, y, weights.contiguous(), residual, norm_weight.contiguous(), out, res_out, ticket, h, i,
-        float(eps), a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **blocks, BLOCK_M=dn.block_m,
-        BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, TOP_K=k, BLOCK_H=next_pow2(h), num_warps=dn.num_warps,
-        num_stages=dn.num_stages, **pdl_kwargs(x, "moe.down"),
+        float(eps), a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), DOT_F32=dot_f32, PREC=prec,
+        BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, TOP_K=k, BLOCK_H=next_pow2(h),
+        num_warps=down.num_warps, num_stages=down.num_stages, **pdl_kwargs(a, "moe.down"),
     )  # fmt: skip
     return out, res_out
 
 
-__all__ = ["moe_experts_decode_add_norm"]
+__all__ = ["down_combine_norm", "moe_experts_decode_add_norm"]

@@ -126,6 +126,7 @@ def test_one_token_steps_run_the_combine_in_the_down_launch(tiny_models, monkeyp
 
     monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")
     monkeypatch.setenv("TANDEM_MOE_DOWN_NORM", down_norm)
+    monkeypatch.setenv("TANDEM_MOE_ROUTE_GATE_UP", "0")  # the routing's own launch (with it: test_moe_route_gate_up)
     calls = []
     real = gpu_mod.moe_experts_decode_add_norm
     monkeypatch.setattr(gpu_mod, "moe_experts_decode_add_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))

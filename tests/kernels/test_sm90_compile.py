@@ -45,7 +45,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
         # combine + next norm in a launch of its own (TANDEM_MOE_DOWN_NORM=0)
         eng.model.backends = dataclasses.replace(backends, norm=FlaNormBackend(embed_norm=False))
         if arch == "kimi_linear":
-            backends.moe.down_norm = False
+            backends.moe.down_norm = backends.moe.route_gate_up = False
         eng.generate(random_prompts(1, [20], seed=1), params)
     launches = _ours(seen)
     kernels = {x.kernel for x in launches}
@@ -54,6 +54,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     want |= (
         {"_add_norm_gemv_kernel", "_gated_norm_gemv_kernel", "_gate_up_kernel", "_down_kernel", "_moe_combine_kernel"}
         | {"_router_route_kernel", "_sigmoid_topk_kernel"}  # one-row steps route in one launch, batched in two
+        | {"_route_gate_up_kernel"}  # one-row steps: the routing inside the gate-up launch
         | {"_down_combine_norm_kernel"}  # one-row steps: the combine and the next norm in the down launch
         | {"_moe_combine_add_norm_kernel"}  # the same in a launch of its own
         | {"_head_gemv_kernel"}  # one query: MLA's W_UK and W_UV^T

@@ -1,0 +1,172 @@
+"""A one-token MoE layer's routing and its experts' gate-up GEMM in one launch. Contract: ``router_route`` then
+``moe_experts_decode``'s gate-up (pair rows), bit for bit: the same program bodies on the same data.
+
+Why: a batch-1 decode step routed each MoE layer in a launch of its own (``route_fused.py``: 8.9 us on the H100
+for 1.2 MB of router weights, 7 a step) before the gate-up launch could start. Here one grid holds both: its
+first programs are the router's split-K programs (``router_block``); each takes a ticket once its partials are
+stored, and the last one routes the row (``route_rows``) and raises a flag (release). The gate-up programs come
+after them: the shared expert's first (its id is known on the host, so it streams its weights while the router
+runs), then the routed slots', which wait for the flag (acquire) and read their expert from the routing.
+
+Waiting inside a launch is safe only if the programs waited on are not held back by the waiters. The router's
+programs never wait and come first in the grid: the GPU dispatches a grid's blocks in order of their linear
+index (what CUB's single-pass scan and CUTLASS's stream-K fix-up also rely on), so they are running or done
+before any waiter holds an SM. The last routed program to see the flag puts it and the counters back to 0.
+``SYNC`` is three int32 on the device (``LaunchTicket(3)``), 0 before a launch and after it; launches that share it
+must not overlap (one stream).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.decode import decode_tiles, gate_up_rows
+from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
+from kernels.moe.tiles import GemmTiles
+from kernels.moe.triton import check_route_args, route_rows, route_tiles
+from kernels.pdl import pdl_enter, pdl_kwargs
+from kernels.triton_utils import check_device
+
+
+@triton.jit
+def _route_gate_up_kernel(
+    X,  # [1, H] the token's normed hidden
+    RW,  # [E, H] the router's weight
+    P,  # [S, 1, E] fp32 partials (scratch)
+    SYNC,  # [3] int32: the router's ticket, the routing's flag, the routed gate-up programs' count
+    BIAS,  # [E]
+    W_OUT,  # [1, OUT_K] fp32
+    ID_OUT,  # [1, OUT_K] int64
+    W13,  # [E (+1), 2I, H]
+    A,  # [OUT_K, I] out: silu(gate) * up, pair order
+    E,
+    H,
+    INTER,
+    stride_x,
+    stride_rw,
+    scaling,
+    extra_id,
+    up_offset,
+    stride_we,
+    stride_wn,
+    stride_a,
+    N_ROUTER: tl.constexpr,  # the router's programs: expert blocks x splits
+    E_BLOCKS: tl.constexpr,
+    N_COLS: tl.constexpr,  # column blocks of I a slot
+    SPLIT: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_KR: tl.constexpr,  # the router's K step
+    TOP_K: tl.constexpr,
+    OUT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+    ROUTE_BLOCK_T: tl.constexpr,
+    ROUTE_BLOCK_E: tl.constexpr,
+    ROUTE_BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    pid = tl.program_id(0)
+    if pid < N_ROUTER:
+        router_block(
+            X, RW, P, pid % E_BLOCKS, pid // E_BLOCKS, 1, E, H, stride_x, stride_rw,
+            SPLIT, BLOCK_T, BLOCK_E, BLOCK_KR, DOT_F32, PREC,
+        )  # fmt: skip
+        # every thread's partial stores come before the ticket's release (the one-thread atomic after the barrier)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(SYNC, 1, sem="acq_rel", scope="gpu")
+        if ticket == N_ROUTER - 1:  # the last router program: every partial is stored
+            tl.debug_barrier()
+            route_rows(
+                P, BIAS, W_OUT, ID_OUT, 0, 1, E, E, E, scaling, extra_id,
+                TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K, ".cg",
+            )  # fmt: skip
+            tl.debug_barrier()  # the routing's stores before the flag's release
+            tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(SYNC + 1, 1, sem="release", scope="gpu")
+    else:
+        g = pid - N_ROUTER
+        slot = (g // N_COLS + OUT_K - 1) % OUT_K if OUT_K > TOP_K else g // N_COLS  # the shared expert's first
+        if slot == TOP_K:  # the shared expert: its id is the host's
+            e = extra_id.to(tl.int32)
+        else:
+            while tl.load(SYNC + 1, volatile=True) == 0:
+                pass
+            tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")  # orders the routing's loads after the flag
+            tl.debug_barrier()
+            e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)
+            seen = tl.atomic_add(SYNC + 2, 1, sem="relaxed", scope="gpu")
+            if seen == TOP_K * N_COLS - 1:  # every routed program has seen the flag: both back to 0
+                tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(SYNC + 2, 0, sem="relaxed", scope="gpu")
+        gate_up_rows(
+            X, X, W13, A, e, slot, slot + 1, g % N_COLS, H, INTER, up_offset, stride_x, stride_we, stride_wn,
+            stride_a, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, True,
+        )  # fmt: skip
+
+
+def route_gate_up(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    sync: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling_factor: float,
+    w13: torch.Tensor,
+    extra_expert: int | None = None,
+    gate_up: GemmTiles | None = None,
+    split: int = SPLIT_K,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token x [1, H]: ``router_route`` (router_weight [E, H]) and the gate-up of its experts (w13 [E (+1), 2I,
+    H]) in one launch -> (weights [1, k (+1)] fp32, ids [1, k (+1)] int64, silu(gate) * up [k (+1), I] in pair
+    order: what ``kernels/moe/down_norm.down_combine_norm`` takes). sync: int32 [3] at 0 (``LaunchTicket(3)``)."""
+    check_router_args("route_gate_up", x, router_weight, split)
+    check_device("route_gate_up", w13, sync)
+    e, h = router_weight.shape
+    check_route_args(e, top_k, correction_bias, extra_expert)
+    if x.shape[0] != 1:
+        raise ValueError(f"route_gate_up takes one token, got x {tuple(x.shape)}")
+    if w13.ndim != 3 or w13.shape[2] != h or w13.shape[1] % 2 or w13.stride(2) != 1 or x.dtype != w13.dtype:
+        raise ValueError(
+            f"w13 must be [E, 2I, {h}] {x.dtype} with a unit stride on H, got {w13.dtype} {tuple(w13.shape)}"
+        )
+    if w13.shape[0] < (e if extra_expert is None else extra_expert + 1):
+        raise ValueError(f"w13 holds {w13.shape[0]} experts: too few for {e} routed and extra expert {extra_expert}")
+    if sync.shape != (3,) or sync.dtype != torch.int32:
+        raise ValueError(f"sync must be an int32 [3] (LaunchTicket(3)), got {sync.dtype} {tuple(sync.shape)}")
+    i = w13.shape[1] // 2
+    out_k = top_k + (extra_expert is not None)
+    gu = gate_up or decode_tiles(1)[0]
+    n_split = triton.cdiv(h, split)
+    e_blocks = triton.cdiv(e, BLOCK_E)
+    n_cols = triton.cdiv(i, gu.block_n)
+    partials = torch.empty(n_split, 1, e, dtype=torch.float32, device=x.device)
+    weights = torch.empty(1, out_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, out_k, dtype=torch.int64, device=x.device)
+    a = torch.empty(out_k, i, dtype=x.dtype, device=x.device)
+    rt = router_tiles(1, split, x.dtype)
+    _route_gate_up_kernel[(e_blocks * n_split + out_k * n_cols,)](
+        x, router_weight, partials, sync, correction_bias.contiguous() if correction_bias is not None else partials,
+        weights, ids, w13, a, e, h, i, x.stride(0), router_weight.stride(0), float(scaling_factor),
+        -1 if extra_expert is None else int(extra_expert), i * w13.stride(1), w13.stride(0), w13.stride(1),
+        a.stride(0), N_ROUTER=e_blocks * n_split, E_BLOCKS=e_blocks, N_COLS=n_cols, SPLIT=split, SPLITS=n_split,
+        BLOCK_T=rt["BLOCK_T"], BLOCK_E=rt["BLOCK_E"], BLOCK_KR=rt["BLOCK_K"], TOP_K=top_k, OUT_K=out_k,
+        HAS_BIAS=correction_bias is not None, RENORM=renormalize,
+        **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
+        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], num_warps=gu.num_warps,
+        num_stages=gu.num_stages, **pdl_kwargs(x, "moe.router_route"),
+    )  # fmt: skip
+    return weights, ids, a
+
+
+__all__ = ["route_gate_up"]

@@ -1,0 +1,125 @@
+"""kernels/moe/route_gate_up.py: one token's routing and its experts' gate-up in one launch, against the two
+launches it replaces (``router_route``, then the pair-row gate-up of ``moe_experts_decode``: bit for bit); the
+three counters across launches and graph replays; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.moe.decode import decode_tiles, launch_gate_up
+from kernels.moe.route_fused import router_route
+from kernels.moe.route_gate_up import route_gate_up
+from kernels.triton_utils import LaunchTicket, dot_config
+from tests.kernels.helpers import DEVICE, ON_CUDA
+
+
+def _inputs(h: int, e: int, i: int, extra: bool, dtype: torch.dtype, seed: int, device=DEVICE):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(1, h, generator=gen, device=device).to(dtype)
+    w = (torch.randn(e, h, generator=gen, device=device) / h**0.5).to(dtype)
+    bias = 0.1 * torch.randn(e, generator=gen, device=device)
+    w13 = (torch.randn(e + extra, 2 * i, h, generator=gen, device=device) / h**0.5).to(dtype)
+    return x, w, bias, w13
+
+
+def _two_launches(x, w, bias, w13, k, extra):
+    ticket = torch.zeros(1, dtype=torch.int32, device=x.device)
+    weights, ids = router_route(x, w, ticket, bias, k, True, 2.446, extra_expert=extra)
+    flat = ids.reshape(-1)
+    a = torch.empty(flat.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    dot_f32, prec = dot_config(x.dtype)
+    blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
+    launch_gate_up(x, flat, flat, flat, flat, w13, a, flat.numel(), decode_tiles(1)[0], blocks)
+    return weights, ids, a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("h", "e", "i", "k", "extra"), [(200, 40, 48, 4, True), (96, 24, 80, 6, False)])
+def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype):
+    x, w, bias, w13 = _inputs(h, e, i, extra, dtype, seed=h + e)
+    sync = LaunchTicket(3).get(x.device)
+    want = _two_launches(x, w, bias, w13, k, e if extra else None)
+    for _ in range(2):  # the second launch finds the counters put back to 0
+        got = route_gate_up(x, w, sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None)
+        for name, g, wt in zip(("weights", "ids", "gate-up"), got, want, strict=True):
+            assert torch.equal(g, wt), name
+        assert sync.tolist() == [0, 0, 0]
+    assert got[2].shape == (k + extra, i)
+    # the gate-up reads the experts the routing chose: another routing, other rows
+    other = route_gate_up(x, w.flip(0), sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None)
+    assert not torch.equal(other[1], got[1]) and not torch.equal(other[2], got[2])
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="a CUDA graph needs CUDA (the interpreter runs programs one by one)")
+def test_counters_survive_graph_replays():
+    """Programs really run concurrently here, at Kimi's shapes (256 experts + the shared one, 2304 x 1024): the
+    routed slots' programs wait for the router's inside the launch; every replay with a new token equals the two
+    launches and leaves the counters at 0."""
+    x, w, bias, w13 = _inputs(2304, 256, 1024, True, torch.bfloat16, seed=3)
+    sync = LaunchTicket(3).get(x.device)
+    route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256)
+    gen = torch.Generator(device=x.device).manual_seed(11)
+    for _ in range(50):
+        x.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x))
+        graph.replay()
+        want = _two_launches(x, w, bias, w13, 8, 256)
+        for name, g, wt in zip(("weights", "ids", "gate-up"), got, want, strict=True):
+            assert torch.equal(g, wt), name
+    assert sync.tolist() == [0, 0, 0]
+
+
+def test_bad_inputs_say_what_is_wrong():
+    x, w, bias, w13 = _inputs(64, 16, 32, True, torch.float32, seed=1)
+    sync = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="one token"):
+        route_gate_up(x.expand(2, -1), w, sync, bias, 2, True, 1.0, w13, extra_expert=16, split=32)
+    with pytest.raises(ValueError, match="sync"):
+        route_gate_up(x, w, sync[:1], bias, 2, True, 1.0, w13, extra_expert=16, split=32)
+    with pytest.raises(ValueError, match="too few"):
+        route_gate_up(x, w, sync, bias, 2, True, 1.0, w13[:16], extra_expert=16, split=32)
+    with pytest.raises(ValueError, match="w13"):
+        route_gate_up(x, w, sync, bias, 2, True, 1.0, w13[..., :32], extra_expert=16, split=32)
+    assert sync.tolist() == [0, 0, 0]
+
+
+# ---- in the engine ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("fla_unblocked")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engine with interpreted kernels")
+@pytest.mark.parametrize("route_gate_up_on", ["1", "0"])
+def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, route_gate_up_on):
+    """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
+    row), weights packed as on CUDA: the reference backends' tokens with a MoE block in two launches (the fused
+    route + gate-up ran once per MoE layer a decode step, the router's own launch never at one token) and with
+    the routing in its own launch."""
+    import engine.backends.gpu as gpu_mod
+    from engine.sampling_params import SamplingParams
+    from tests.conftest import make_engine, random_prompts
+    from tests.kernels.test_gpu_backend import gpu_backends
+
+    monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")
+    monkeypatch.setenv("TANDEM_MOE_ROUTE_GATE_UP", route_gate_up_on)
+    fused, routed = [], []
+    real_fused, real_route = gpu_mod.route_gate_up, gpu_mod.router_route
+    monkeypatch.setattr(gpu_mod, "route_gate_up", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
+    monkeypatch.setattr(
+        gpu_mod, "router_route", lambda x, *a, **kw: routed.append(x.shape[0]) or real_route(x, *a, **kw)
+    )
+    prompts = random_prompts(2, [23, 40], seed=8)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ref = make_engine(tiny_models["kimi_linear"])
+    eng = make_engine(tiny_models["kimi_linear"])
+    eng.model.backends = gpu_backends()
+    moe_layers = sum(1 for layer in eng.model.layers if layer.is_moe)
+    for prompt in prompts:
+        want = ref.generate([prompt], params)[0].output_token_ids
+        assert eng.generate([prompt], params)[0].output_token_ids == want
+    decode_steps = len(prompts) * (params.max_tokens - 1)
+    on = route_gate_up_on == "1"
+    assert len(fused) == (decode_steps * moe_layers if on else 0)
+    assert routed.count(1) == (0 if on else decode_steps * moe_layers)
