@@ -11,7 +11,7 @@ the ticket back to 0 for the next launch — so the result is the unfused pair's
 
 The ticket is one int32 on the device that must be 0 before a launch (``RouteTicket``, a ``LaunchTicket``); launches
 that share it must not overlap (one stream: the decode step's layers run in order). Rows are routed by one program,
-serially, so this is for steps of a few rows (``FUSED_ROUTE_MAX_ROWS`` in engine/backends/gpu.py).
+serially, so this is for steps of a few rows (``FUSED_ROUTE_MAX_ROWS`` in engine/backends/gpu_moe.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ layers). Here a grid of (expert blocks x K splits) programs each multiplies one 
 block (bf16 products are exact in fp32, fp32 accumulation) and writes its fp32 partial sums [S, T, E]; the route
 kernel (kernels/moe/triton.py) adds the S partials in split order when it loads the logits, so no launch sums
 them and the result is deterministic. Not on by default until the H200 says it is faster
-(``TANDEM_MOE_ROUTER_GEMV``, engine/backends/gpu.py).
+(``TANDEM_MOE_ROUTER_GEMV``, engine/backends/gpu_moe.py).
 """
 
 from __future__ import annotations

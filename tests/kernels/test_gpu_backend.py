@@ -192,7 +192,7 @@ def test_short_conv_qkv_gives_contiguous_planes_of_the_reference(scenario):
 
 @pytest.mark.parametrize("path", ["grouped", "decode kernels", "fp32 on CUDA", "decode kernels failing"])
 def test_moe_matches_reference(path, monkeypatch):
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
 
     launched = []
     real = gpu_mod.moe_experts_decode
@@ -233,7 +233,7 @@ def test_moe_matches_reference(path, monkeypatch):
 def test_moe_long_steps_match_reference(path, monkeypatch):
     """Steps past the decode size (here: past 8 pairs) take kernels/moe/prefill.py unless turned off; fp32 on
     CUDA takes them unasked; a failure falls back to the grouped path for good."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
 
     launched = []
     real = gpu_mod.moe_experts_prefill
@@ -269,7 +269,7 @@ def test_moe_long_steps_match_reference(path, monkeypatch):
 def test_moe_down_impl_is_chosen_by_env_and_refused_by_name(monkeypatch):
     """``TANDEM_MOE_DOWN_IMPL`` reaches ``moe_experts_prefill`` (here "tma": both operands through descriptors,
     run by the interpreter on this host) with the reference's outputs; an unknown name is refused at start."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
     import kernels.moe.prefill as prefill
 
     ran = []
@@ -358,7 +358,7 @@ def test_engine_tokens_match_reference_through_the_moe_prefill_kernels(tiny_mode
     """The tiny steps stay under the decode kernels' 4,096 pairs; with the bound at 16 pairs every prefill /
     mixed step's experts run through kernels/moe/prefill.py, decode steps (4 tokens, 8 pairs) through the decode
     kernels (weights packed, as on CUDA): greedy tokens == the reference backends."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
 
     ran = []
     real = gpu_mod.moe_experts_prefill

@@ -72,7 +72,7 @@ def test_one_token_steps_run_the_next_norm_in_the_combine(tiny_models, monkeypat
     """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
     row: the pair-row experts with the shared expert folded), weights packed as on CUDA: the same as the reference
     backends with the fused combine + norm on (it ran, once per MoE layer a decode step) and off (it did not)."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
     from engine.sampling_params import SamplingParams
     from tests.conftest import make_engine, random_prompts
     from tests.kernels.test_gpu_backend import gpu_backends

@@ -119,7 +119,7 @@ def test_one_token_steps_run_the_combine_in_the_down_launch(tiny_models, monkeyp
     """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
     row), weights packed as on CUDA: the reference backends' tokens with the combine + norm in the down launch
     (it ran once per MoE layer a decode step) and in its own launch (it did not run)."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
     from engine.sampling_params import SamplingParams
     from tests.conftest import make_engine, random_prompts
     from tests.kernels.test_gpu_backend import gpu_backends

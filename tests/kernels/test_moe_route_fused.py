@@ -92,7 +92,7 @@ def test_validates():
 def test_backend_routes_small_steps_in_one_launch(tokens, monkeypatch):
     """SparseMoE through the GPU backend: one fused launch at <= fused_route_rows rows, the router GEMM and the
     route kernel above; the block's output as with the reference backends either way."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
     from engine.backends import Backends
     from engine.backends.gpu import GPUMoEBackend
     from engine.backends.torch_ref import TorchAttentionBackend, TorchKDABackend, TorchMoEBackend

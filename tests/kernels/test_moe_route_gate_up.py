@@ -97,7 +97,7 @@ def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, rout
     row), weights packed as on CUDA: the reference backends' tokens with a MoE block in two launches (the fused
     route + gate-up ran once per MoE layer a decode step, the router's own launch never at one token) and with
     the routing in its own launch."""
-    import engine.backends.gpu as gpu_mod
+    import engine.backends.gpu_moe as gpu_mod
     from engine.sampling_params import SamplingParams
     from tests.conftest import make_engine, random_prompts
     from tests.kernels.test_gpu_backend import gpu_backends
