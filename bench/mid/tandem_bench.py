@@ -177,10 +177,15 @@ def experts_touched(eng: LLMEngine) -> list[int]:
         return weights, ids
 
     moe.route_hidden = counting
+    fused = getattr(moe, "route_gate_up", None)  # its launch routes without ``route_hidden``: the same experts
+    if fused is not None:
+        moe.route_gate_up = False
     try:
         eng.step()
     finally:
         del moe.route_hidden  # back to the class method
+        if fused is not None:
+            moe.route_gate_up = fused
     return seen
 
 

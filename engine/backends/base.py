@@ -288,8 +288,9 @@ class MoEBackend(ABC):
         ``route_hidden`` then ``experts_add_norm`` on ``experts`` = (w1, w3, w2, w13). A backend may run the
         two in fewer launches (the GPU backend at one token: kernels/moe/route_gate_up.py)."""
         weights, ids = self.route_hidden(
-            x, router_weight, router_weight_fp32, correction_bias, top_k, renormalize, scaling_factor, extra_expert
-        )
+            x, router_weight, router_weight_fp32, correction_bias, top_k, renormalize, scaling_factor,
+            extra_expert=extra_expert,
+        )  # fmt: skip
         return self.experts_add_norm(x, weights, ids, *experts, add_norm)
 
     @abstractmethod

@@ -13,11 +13,17 @@ from tests.kernels.test_gpu_backend import gpu_backends
 pytestmark = pytest.mark.usefixtures("fla_unblocked")
 
 
-@pytest.mark.parametrize("fused_rows", [1, 0], ids=["one_launch", "two_launches"])
-def test_counts_every_moe_layer_of_a_one_row_step(tiny_models, fused_rows):
+@pytest.mark.parametrize(
+    ("fused_rows", "route_gate_up"),
+    [(1, False), (0, False), (1, True)],
+    ids=["one_launch", "two_launches", "in_gate_up"],
+)
+def test_counts_every_moe_layer_of_a_one_row_step(tiny_models, fused_rows, route_gate_up):
+    """in_gate_up: kernels/moe/route_gate_up.py routes without ``route_hidden`` too; the count's step routes apart."""
     eng = make_engine(tiny_models["kimi_linear"], max_num_batched_tokens=512)
     be = gpu_backends()
     be.moe.fused_route_rows = fused_rows
+    be.moe.route_gate_up = route_gate_up
     eng.model.backends = be
     eng.model.pack_weights()
     tandem_bench.fill_decode_batch(eng, 20, 1)
@@ -25,3 +31,4 @@ def test_counts_every_moe_layer_of_a_one_row_step(tiny_models, fused_rows):
     cfg = eng.model_config
     assert len(seen) == sum(kind == "moe" for kind in cfg.mlp_kinds)
     assert all(s == cfg.num_experts_per_token for s in seen)  # one row: k distinct routed experts a layer
+    assert be.moe.route_gate_up == route_gate_up  # put back

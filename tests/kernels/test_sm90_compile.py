@@ -37,6 +37,8 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     eng = make_engine(tiny_models[arch], max_num_batched_tokens=512, cuda_graphs=True, dtype=dtype)
     backends = dataclasses.replace(gpu_backends(), dense=TritonDense(add_norm=True), norm=FlaNormBackend())
     eng.model.backends = backends
+    if arch == "kimi_linear":
+        backends.moe.route_gate_up = True  # off by default (engine/backends/gpu_moe.py), compiled here all the same
     eng.model.pack_weights()  # as the engine does on CUDA
     with record_launches() as seen:
         eng.generate(random_prompts(1, [20], seed=1), params)  # one row: every one-row kernel
