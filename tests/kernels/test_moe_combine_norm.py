@@ -9,6 +9,7 @@ import torch
 from kernels.moe.combine import moe_combine_triton
 from kernels.moe.combine_norm import moe_combine_add_norm, naive_combine_add_norm
 from tests.kernels.helpers import DEVICE
+from tests.kernels.one_row_engine import one_row_launches
 
 
 def _inputs(t: int, k: int, h: int, dtype: torch.dtype, seed: int):
@@ -72,25 +73,7 @@ def test_one_token_steps_run_the_next_norm_in_the_combine(tiny_models, monkeypat
     """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
     row: the pair-row experts with the shared expert folded), weights packed as on CUDA: the same as the reference
     backends with the fused combine + norm on (it ran, once per MoE layer a decode step) and off (it did not)."""
-    import engine.backends.gpu_moe as gpu_mod
-    from engine.sampling_params import SamplingParams
-    from tests.conftest import make_engine, random_prompts
-    from tests.kernels.test_gpu_backend import gpu_backends
-
-    monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")
     monkeypatch.setenv("TANDEM_MOE_COMBINE_NORM", combine_norm)
     monkeypatch.setenv("TANDEM_MOE_DOWN_NORM", "0")  # its own launch (the down launch's: test_moe_down_norm.py)
-    calls = []
-    real = gpu_mod.moe_combine_add_norm
-    monkeypatch.setattr(gpu_mod, "moe_combine_add_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    prompts = random_prompts(2, [23, 40], seed=8)
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    ref = make_engine(tiny_models["kimi_linear"])
-    eng = make_engine(tiny_models["kimi_linear"])
-    eng.model.backends = gpu_backends()
-    moe_layers = sum(1 for layer in eng.model.layers if layer.is_moe)
-    for prompt in prompts:
-        want = ref.generate([prompt], params)[0].output_token_ids
-        assert eng.generate([prompt], params)[0].output_token_ids == want
-    decode_steps = len(prompts) * (params.max_tokens - 1)
-    assert len(calls) == (decode_steps * moe_layers if combine_norm == "1" else 0)
+    rows, one_row_blocks = one_row_launches(tiny_models, monkeypatch, ["moe_combine_add_norm"])
+    assert len(rows["moe_combine_add_norm"]) == (one_row_blocks if combine_norm == "1" else 0)

@@ -14,6 +14,7 @@ from kernels.moe.down_norm import moe_experts_decode_add_norm
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
+from tests.kernels.one_row_engine import one_row_launches
 
 
 def _inputs(e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int):
@@ -119,25 +120,7 @@ def test_one_token_steps_run_the_combine_in_the_down_launch(tiny_models, monkeyp
     """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
     row), weights packed as on CUDA: the reference backends' tokens with the combine + norm in the down launch
     (it ran once per MoE layer a decode step) and in its own launch (it did not run)."""
-    import engine.backends.gpu_moe as gpu_mod
-    from engine.sampling_params import SamplingParams
-    from tests.conftest import make_engine, random_prompts
-    from tests.kernels.test_gpu_backend import gpu_backends
-
-    monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")
     monkeypatch.setenv("TANDEM_MOE_DOWN_NORM", down_norm)
     monkeypatch.setenv("TANDEM_MOE_ROUTE_GATE_UP", "0")  # the routing's own launch (with it: test_moe_route_gate_up)
-    calls = []
-    real = gpu_mod.moe_experts_decode_add_norm
-    monkeypatch.setattr(gpu_mod, "moe_experts_decode_add_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    prompts = random_prompts(2, [23, 40], seed=8)
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    ref = make_engine(tiny_models["kimi_linear"])
-    eng = make_engine(tiny_models["kimi_linear"])
-    eng.model.backends = gpu_backends()
-    moe_layers = sum(1 for layer in eng.model.layers if layer.is_moe)
-    for prompt in prompts:
-        want = ref.generate([prompt], params)[0].output_token_ids
-        assert eng.generate([prompt], params)[0].output_token_ids == want
-    decode_steps = len(prompts) * (params.max_tokens - 1)
-    assert len(calls) == (decode_steps * moe_layers if down_norm == "1" else 0)
+    rows, one_row_blocks = one_row_launches(tiny_models, monkeypatch, ["moe_experts_decode_add_norm"])
+    assert len(rows["moe_experts_decode_add_norm"]) == (one_row_blocks if down_norm == "1" else 0)

@@ -12,6 +12,7 @@ from kernels.moe.route_fused import router_route
 from kernels.moe.route_gate_up import route_gate_up
 from kernels.triton_utils import LaunchTicket, dot_config
 from tests.kernels.helpers import DEVICE, ON_CUDA
+from tests.kernels.one_row_engine import one_row_launches
 
 
 def _inputs(h: int, e: int, i: int, extra: bool, dtype: torch.dtype, seed: int, device=DEVICE):
@@ -97,29 +98,8 @@ def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, rout
     row), weights packed as on CUDA: the reference backends' tokens with a MoE block in two launches (the fused
     route + gate-up ran once per MoE layer a decode step, the router's own launch never at one token) and with
     the routing in its own launch."""
-    import engine.backends.gpu_moe as gpu_mod
-    from engine.sampling_params import SamplingParams
-    from tests.conftest import make_engine, random_prompts
-    from tests.kernels.test_gpu_backend import gpu_backends
-
-    monkeypatch.setenv("TANDEM_PACK_WEIGHTS", "1")
     monkeypatch.setenv("TANDEM_MOE_ROUTE_GATE_UP", route_gate_up_on)
-    fused, routed = [], []
-    real_fused, real_route = gpu_mod.route_gate_up, gpu_mod.router_route
-    monkeypatch.setattr(gpu_mod, "route_gate_up", lambda *a, **kw: fused.append(1) or real_fused(*a, **kw))
-    monkeypatch.setattr(
-        gpu_mod, "router_route", lambda x, *a, **kw: routed.append(x.shape[0]) or real_route(x, *a, **kw)
-    )
-    prompts = random_prompts(2, [23, 40], seed=8)
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    ref = make_engine(tiny_models["kimi_linear"])
-    eng = make_engine(tiny_models["kimi_linear"])
-    eng.model.backends = gpu_backends()
-    moe_layers = sum(1 for layer in eng.model.layers if layer.is_moe)
-    for prompt in prompts:
-        want = ref.generate([prompt], params)[0].output_token_ids
-        assert eng.generate([prompt], params)[0].output_token_ids == want
-    decode_steps = len(prompts) * (params.max_tokens - 1)
+    rows, one_row_blocks = one_row_launches(tiny_models, monkeypatch, ["route_gate_up", "router_route"])
     on = route_gate_up_on == "1"
-    assert len(fused) == (decode_steps * moe_layers if on else 0)
-    assert routed.count(1) == (0 if on else decode_steps * moe_layers)
+    assert len(rows["route_gate_up"]) == (one_row_blocks if on else 0)
+    assert rows["router_route"].count(1) == (0 if on else one_row_blocks)
