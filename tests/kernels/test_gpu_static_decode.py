@@ -93,7 +93,7 @@ def test_one_row_steps_through_the_skinny_gemm(tiny_models, monkeypatch):
     output norm runs inside its projection (kernels/gemv/gated_norm.py), each layer's input norm inside its first
     projection (kernels/gemv/add_norm.py) and the MoE experts take their pair rows (no align). Tokens and logits as
     the reference's."""
-    import engine.backends.gpu as gpu_backend
+    import engine.backends.gpu_moe as gpu_backend
     from engine.backends.dense import TritonDense
 
     experts_decode, layouts = gpu_backend.moe_experts_decode, []  # (rows, pair rows?) of each MoE experts launch
