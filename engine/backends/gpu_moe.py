@@ -16,11 +16,11 @@ from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
 from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_norm
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
-from kernels.moe.decode import decode_tiles, moe_experts_decode
+from kernels.moe.decode import moe_experts_decode
 from kernels.moe.down_norm import down_combine_norm, moe_experts_decode_add_norm
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
-from kernels.moe.route_fused import RouteTicket, router_route
+from kernels.moe.route_fused import router_route
 from kernels.moe.route_gate_up import route_gate_up
 from kernels.moe.router import router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
@@ -93,7 +93,7 @@ class GPUMoEBackend(MoEBackend):
         self.fused_route_rows = min(fused_route_rows, 64)  # kernels/moe/route_fused.py takes up to 64 rows
         # the launches whose last program finishes the work (the router + top-k, the down + combine + norm):
         # serial on the step's stream, each leaves it at 0
-        self._ticket = RouteTicket()
+        self._ticket = LaunchTicket()
         self._sync = LaunchTicket(3)  # kernels/moe/route_gate_up.py's counters
         self._decode_failed = False
         self._prefill_failed = False
@@ -198,7 +198,7 @@ class GPUMoEBackend(MoEBackend):
         gate-up's (kernels/moe/route_gate_up.py) and the combine + norm inside the down's. Off by default: the
         routing's own launch, then ``experts_add_norm``."""
         an, (_, _, w2, w13) = add_norm, experts
-        fits = x.shape[0] == 1 and x.dtype == router_weight.dtype and an.residual.stride(1) == 1
+        fits = x.shape[0] == 1 and x.dtype == router_weight.dtype
         on = self.route_gate_up and self.down_norm and self.fused_route_rows > 0
         if on and fits and self._router_kernels_take(x, router_weight):
             try:
@@ -207,8 +207,7 @@ class GPUMoEBackend(MoEBackend):
                 weights, ids, a = route_gate_up(
                     x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert
                 )
-                return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket,
-                                         decode_tiles(1)[1])  # fmt: skip
+                return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket)
             except Exception as err:  # the routing's own launch from here on
                 self.route_gate_up = False
                 fall_back("MoE route + gate-up launch", "one-token steps route in a launch of their own", err)
@@ -231,7 +230,7 @@ class GPUMoEBackend(MoEBackend):
         an = add_norm
         try:
             x_row = x if x.stride(1) == 1 else x.contiguous()
-            if self.down_norm and an.residual.stride(1) == 1:  # the combine + norm in the down launch's last program
+            if self.down_norm:  # the combine + norm in the down launch's last program
                 ticket = self._ticket.get(x.device)
                 return moe_experts_decode_add_norm(
                     x_row, w13, w2, ids.reshape(-1), weights, an.residual, an.weight, an.eps, ticket

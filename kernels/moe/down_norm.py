@@ -99,12 +99,11 @@ def moe_experts_decode_add_norm(
         )
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("x, w13 and w2 must be contiguous along their last dimension")
-    default_gu, default_dn = decode_tiles(1)
     a = torch.empty(k, i, dtype=x.dtype, device=x.device)
     dot_f32, prec = dot_config(x.dtype)
     blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
-    launch_gate_up(x, ids, ids, ids, ids, w13, a, k, gate_up or default_gu, blocks)
-    return down_combine_norm(a, ids, w2, weights, residual, norm_weight, eps, ticket, down or default_dn)
+    launch_gate_up(x, ids, ids, ids, ids, w13, a, k, gate_up or decode_tiles(1)[0], blocks)
+    return down_combine_norm(a, ids, w2, weights, residual, norm_weight, eps, ticket, down)
 
 
 def down_combine_norm(
@@ -116,24 +115,26 @@ def down_combine_norm(
     norm_weight: torch.Tensor,
     eps: float,
     ticket: torch.Tensor,
-    down: GemmTiles,
+    down: GemmTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The down launch of one token's k experts from their silu(gate) * up rows a [k, I] (pair order) -> (the
     norm's output [1, H] in a's dtype, the new residual [1, H]); ids [k] int64 (distinct), the rest as
-    ``moe_experts_decode_add_norm`` takes them."""
+    ``moe_experts_decode_add_norm`` takes them; down: the launch's tiles (None: ``decode_tiles(1)``'s)."""
     check_device("down_combine_norm", a, ids, w2, weights, residual, norm_weight, ticket)
     k, i = a.shape
     h = w2.shape[1]
     if w2.shape[2] != i or w2.stride(2) != 1 or ids.shape != (k,) or ids.dtype != torch.int64:
         raise ValueError(f"w2 [E, H, {i}] with a unit stride on I and ids [{k}] int64; got {tuple(w2.shape)}, "
                          f"{ids.dtype} {tuple(ids.shape)}")  # fmt: skip
-    if weights.shape != (1, k) or residual.shape != (1, h) or norm_weight.shape != (h,) or residual.stride(1) != 1:
+    if weights.shape != (1, k) or residual.shape != (1, h) or norm_weight.shape != (h,):
         raise ValueError(
-            f"weights [1, {k}], residual [1, {h}] with a unit column stride, norm_weight [{h}]; got "
-            f"{tuple(weights.shape)}, {tuple(residual.shape)}, {tuple(norm_weight.shape)}"
+            f"weights [1, {k}], residual [1, {h}], norm_weight [{h}]; got {tuple(weights.shape)}, "
+            f"{tuple(residual.shape)}, {tuple(norm_weight.shape)}"
         )
     if ticket.shape != (1,) or ticket.dtype != torch.int32:
         raise ValueError(f"ticket must be an int32 [1], got {ticket.dtype} {tuple(ticket.shape)}")
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    down = down or decode_tiles(1)[1]
     y = torch.empty(k, h, dtype=a.dtype, device=a.device)
     out = torch.empty(1, h, dtype=a.dtype, device=a.device)
     res_out = torch.empty(1, h, dtype=residual.dtype, device=a.device)
