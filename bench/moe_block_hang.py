@@ -1,11 +1,15 @@
-"""Where the one-token MoE route + gate-up launch (kernels/moe/route_gate_up.py) hangs in the engine.
+"""The one-token MoE route + gate-up launch (kernels/moe/route_gate_up.py) in the engine, watched: for a launch
+that seems to hang.
 
-Session 35 (H100): its own tests passed on the GPU, 50 graph replays at Kimi's shapes included, but b1 decode
-steps of the mid model with ``TANDEM_MOE_ROUTE_GATE_UP=1`` never finished (``bench.decode_timeline``: no output in
-150 s), so the switch is off. This runs the same engine with it on: every eager launch synchronised, with the
-three counters printed before and after (a counter not at 0 before a launch makes its routed programs wait
-forever), captures noted, then a few timed graph steps; after ``--timeout`` seconds every thread's Python stack
-is printed and the process exits (the stuck call).
+Session 35 (H100) took this launch for a hang: the mid model's b1 decode with ``TANDEM_MOE_ROUTE_GATE_UP=1`` printed
+nothing in 150 s. Session 36 (H200) ran this first on a fresh machine and it timed out in the *prefill*, in Triton's
+compiler: a cold Triton cache alone takes longer than that. On a warm cache every counter was at 0 before and
+after each launch, and the graph steps ran. This runs the same engine with it on: every eager launch synchronised,
+with the counters printed before and after (a word not at 0 before a launch makes its routed programs wait
+forever), captures noted, then a few timed graph steps. Ten seconds before ``--timeout`` a watchdog thread copies
+the counters to the host on a stream of its own (the copy engine runs while a kernel spins) and prints them; at
+``--timeout`` every thread's Python stack is printed and the process exits (the stuck call). Give a fresh
+machine's first run minutes, not seconds.
 
     python -m bench.moe_block_hang [--ctx 4096] [--timeout 110]
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import threading
 import time
 from typing import Any
 
@@ -33,10 +38,29 @@ def main(argv: list[str] | None = None) -> int:
     from bench.decode_timeline import _experts_touched_eagerly
     from bench.mid import tandem_bench
 
-    real, calls = gpu_moe.route_gate_up, [0]
+    real, calls, seen = gpu_moe.route_gate_up, [0], {}
+
+    def watchdog() -> None:
+        """The counters as the stuck launch left them: which of the three never came back to 0 says who waits."""
+        side = torch.cuda.Stream()
+        for sync in list(seen.values()):
+            host = torch.empty(sync.shape, dtype=torch.int32, pin_memory=True)
+            with torch.cuda.stream(side):
+                host.copy_(sync, non_blocking=True)
+            side.synchronize()
+            print(
+                f"watchdog at {a.timeout - 10} s, launch {calls[0]}: counters "
+                f"(router ticket, routed count, slots' words) {host.tolist()}",
+                flush=True,
+            )
+
+    timer = threading.Timer(max(a.timeout - 10, 1), watchdog)
+    timer.daemon = True
+    timer.start()
 
     def traced(x: torch.Tensor, w: torch.Tensor, sync: torch.Tensor, *rest: Any, **kw: Any) -> Any:
         calls[0] += 1
+        seen.setdefault(sync.data_ptr(), sync)
         capturing = torch.cuda.is_current_stream_capturing()
         loud = not capturing and calls[0] <= a.calls
         if loud:
@@ -72,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     times = tandem_bench.decode_steps_timed(eng, 5, warmup=2)
     print(f"graph steps: median {times.median * 1e6:.1f} us; launches {calls[0]}", flush=True)
     tandem_bench.clear(eng, rids)
+    timer.cancel()
     return 0
 
 

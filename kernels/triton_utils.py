@@ -67,7 +67,7 @@ class LaunchTicket:
     """The ticket of a launch whose last program finishes the work (kernels/moe/route_fused.py,
     kernels/gemv/norm_after.py): one zeroed int32 per device, made outside any CUDA graph capture (a tensor made
     inside one would be zeroed by a memset node on every replay) and reused by every launch on that device; each
-    launch puts it back to 0. ``size``: counters a launch needs (kernels/moe/route_gate_up.py takes 3)."""
+    launch puts it back to 0. ``size``: counters a launch needs (kernels/moe/route_gate_up.py takes SYNC_SIZE)."""
 
     def __init__(self, size: int = 1) -> None:
         self._size = size

@@ -21,7 +21,7 @@ from kernels.moe.down_norm import down_combine_norm, moe_experts_decode_add_norm
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.route_fused import router_route
-from kernels.moe.route_gate_up import route_gate_up
+from kernels.moe.route_gate_up import SYNC_SIZE, route_gate_up
 from kernels.moe.router import router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.triton_utils import LaunchTicket, is_interpreting
@@ -79,9 +79,8 @@ class GPUMoEBackend(MoEBackend):
         self.pair_rows = os.environ.get("TANDEM_MOE_PAIR_ROWS", "1").strip() != "0"
         self.combine_norm = os.environ.get("TANDEM_MOE_COMBINE_NORM", "1").strip() != "0"
         self.down_norm = os.environ.get("TANDEM_MOE_DOWN_NORM", "1").strip() != "0"
-        # off: the launch hung the engine's b1 steps on an H100 (cause not found; its own tests pass there, graph
-        # replays included). TANDEM_MOE_ROUTE_GATE_UP=1 turns it on (with down_norm), bench/moe_block_hang.py
-        self.route_gate_up = os.environ.get("TANDEM_MOE_ROUTE_GATE_UP", "0").strip() == "1"
+        # the routing inside the gate-up launch at one token (with down_norm): b1 -20 us a step on the H200
+        self.route_gate_up = os.environ.get("TANDEM_MOE_ROUTE_GATE_UP", "1").strip() != "0"
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -94,7 +93,7 @@ class GPUMoEBackend(MoEBackend):
         # the launches whose last program finishes the work (the router + top-k, the down + combine + norm):
         # serial on the step's stream, each leaves it at 0
         self._ticket = LaunchTicket()
-        self._sync = LaunchTicket(3)  # kernels/moe/route_gate_up.py's counters
+        self._sync = LaunchTicket(SYNC_SIZE)  # kernels/moe/route_gate_up.py's counters
         self._decode_failed = False
         self._prefill_failed = False
 
@@ -194,9 +193,9 @@ class GPUMoEBackend(MoEBackend):
         experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         add_norm: AddNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token with ``TANDEM_MOE_ROUTE_GATE_UP=1``: the block in two launches, the routing inside the
-        gate-up's (kernels/moe/route_gate_up.py) and the combine + norm inside the down's. Off by default: the
-        routing's own launch, then ``experts_add_norm``."""
+        """One token: the block in two launches, the routing inside the gate-up's (kernels/moe/route_gate_up.py)
+        and the combine + norm inside the down's. ``TANDEM_MOE_ROUTE_GATE_UP=0`` (or anything the fused launch does
+        not take): the routing's own launch, then ``experts_add_norm``."""
         an, (_, _, w2, w13) = add_norm, experts
         fits = x.shape[0] == 1 and x.dtype == router_weight.dtype
         on = self.route_gate_up and self.down_norm and self.fused_route_rows > 0

@@ -11,9 +11,20 @@ runs), then the routed slots', which wait for the flag (acquire) and read their 
 Waiting inside a launch is safe only if the programs waited on are not held back by the waiters. The router's
 programs never wait and come first in the grid: the GPU dispatches a grid's blocks in order of their linear
 index (what CUB's single-pass scan and CUTLASS's stream-K fix-up also rely on), so they are running or done
-before any waiter holds an SM. The last routed program to see the flag puts it and the counters back to 0.
-``SYNC`` is three int32 on the device (``LaunchTicket(3)``), 0 before a launch and after it; launches that share it
-must not overlap (one stream).
+before any waiter holds an SM.
+
+The flag is the answer: the routing stores each routed slot's expert id + 1 in a word of its own (0: not yet), so
+a waiter's one poll that sees it non-zero has its expert, with no acquire and no second load before its weights
+stream (the gate-up programs read nothing else the routing writes; the down launch reads the weights after this
+launch ends). Each routed program counts itself once its rows are stored, off the path to its first weight load;
+the last one puts the slots' words and the count back to 0. ``SYNC`` is ``SYNC_SIZE`` int32 on the device
+(``LaunchTicket(SYNC_SIZE)``): the router's ticket, the routed programs' count, one word a routed slot; 0 before a
+launch and after it; launches that share it must not overlap (one stream).
+
+Session 35 took this launch for a hang: its first b1 run on a fresh H100 printed nothing in 150 s. Session 36 (H200)
+found the cause in the clock, not the kernel: a fresh machine's Triton cache is empty, and compiling the mid
+model's prefill and decode kernels alone took longer than that (bench/moe_block_hang.py, on a warm cache: every
+counter at 0 before and after each launch, graph steps run).
 """
 
 from __future__ import annotations
@@ -29,13 +40,18 @@ from kernels.moe.triton import check_route_args, route_rows, route_tiles
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device
 
+MAX_ROUTED = 16
+"""Routed experts a token at most: one flag word each in ``SYNC``."""
+SYNC_SIZE = 2 + MAX_ROUTED
+"""int32 words of a launch's counters: the router's ticket, the routed programs' count, a word a routed slot."""
+
 
 @triton.jit
 def _route_gate_up_kernel(
     X,  # [1, H] the token's normed hidden
     RW,  # [E, H] the router's weight
     P,  # [S, 1, E] fp32 partials (scratch)
-    SYNC,  # [3] int32: the router's ticket, the routing's flag, the routed gate-up programs' count
+    SYNC,  # [SYNC_SIZE] int32: the router's ticket, the routed programs' count, a routed slot's expert id + 1
     BIAS,  # [E]
     W_OUT,  # [1, OUT_K] fp32
     ID_OUT,  # [1, OUT_K] int64
@@ -61,6 +77,7 @@ def _route_gate_up_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_KR: tl.constexpr,  # the router's K step
     TOP_K: tl.constexpr,
+    SLOTS: tl.constexpr,  # next power of two >= TOP_K
     OUT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
@@ -90,28 +107,31 @@ def _route_gate_up_kernel(
                 P, BIAS, W_OUT, ID_OUT, 0, 1, E, E, E, scaling, extra_id,
                 TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K, ".cg",
             )  # fmt: skip
-            tl.debug_barrier()  # the routing's stores before the flag's release
+            tl.debug_barrier()  # the routing's id stores, read back by this program's threads
+            slots = tl.arange(0, SLOTS)
+            ids = tl.load(ID_OUT + slots, mask=slots < TOP_K, other=0, cache_modifier=".cg")
             tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + 1, 1, sem="release", scope="gpu")
+            tl.atomic_xchg(SYNC + 2 + slots, ids.to(tl.int32) + 1, mask=slots < TOP_K, sem="release", scope="gpu")
     else:
         g = pid - N_ROUTER
         slot = (g // N_COLS + OUT_K - 1) % OUT_K if OUT_K > TOP_K else g // N_COLS  # the shared expert's first
         if slot == TOP_K:  # the shared expert: its id is the host's
             e = extra_id.to(tl.int32)
-        else:
-            while tl.load(SYNC + 1, volatile=True) == 0:
-                pass
-            tl.atomic_add(SYNC + 1, 0, sem="acquire", scope="gpu")  # orders the routing's loads after the flag
-            tl.debug_barrier()
-            e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)
-            seen = tl.atomic_add(SYNC + 2, 1, sem="relaxed", scope="gpu")
-            if seen == TOP_K * N_COLS - 1:  # every routed program has seen the flag: both back to 0
-                tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(SYNC + 2, 0, sem="relaxed", scope="gpu")
+        else:  # the slot's word is its expert + 1 once routed
+            word = tl.load(SYNC + 2 + slot, volatile=True)
+            while word == 0:
+                word = tl.load(SYNC + 2 + slot, volatile=True)
+            e = word - 1
         gate_up_rows(
             X, X, W13, A, e, slot, slot + 1, g % N_COLS, H, INTER, up_offset, stride_x, stride_we, stride_wn,
             stride_a, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, True,
         )  # fmt: skip
+        if slot != TOP_K:  # counted after its rows, not before its loads: the last one puts the words back to 0
+            seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
+            if seen == TOP_K * N_COLS - 1:
+                slots = tl.arange(0, SLOTS)
+                tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(SYNC + 2 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
 
 
 def route_gate_up(
@@ -129,7 +149,8 @@ def route_gate_up(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token x [1, H]: ``router_route`` (router_weight [E, H]) and the gate-up of its experts (w13 [E (+1), 2I,
     H]) in one launch -> (weights [1, k (+1)] fp32, ids [1, k (+1)] int64, silu(gate) * up [k (+1), I] in pair
-    order: what ``kernels/moe/down_norm.down_combine_norm`` takes). sync: int32 [3] at 0 (``LaunchTicket(3)``)."""
+    order: what ``kernels/moe/down_norm.down_combine_norm`` takes). sync: int32 [SYNC_SIZE] at 0
+    (``LaunchTicket(SYNC_SIZE)``)."""
     check_router_args("route_gate_up", x, router_weight, split)
     check_device("route_gate_up", w13, sync)
     e, h = router_weight.shape
@@ -142,8 +163,12 @@ def route_gate_up(
         )
     if w13.shape[0] < (e if extra_expert is None else extra_expert + 1):
         raise ValueError(f"w13 holds {w13.shape[0]} experts: too few for {e} routed and extra expert {extra_expert}")
-    if sync.shape != (3,) or sync.dtype != torch.int32:
-        raise ValueError(f"sync must be an int32 [3] (LaunchTicket(3)), got {sync.dtype} {tuple(sync.shape)}")
+    if top_k > MAX_ROUTED:
+        raise ValueError(f"route_gate_up routes at most {MAX_ROUTED} experts a token, got top_k {top_k}")
+    if sync.shape != (SYNC_SIZE,) or sync.dtype != torch.int32:
+        raise ValueError(
+            f"sync must be an int32 [{SYNC_SIZE}] (LaunchTicket(SYNC_SIZE)), got {sync.dtype} {tuple(sync.shape)}"
+        )
     i = w13.shape[1] // 2
     out_k = top_k + (extra_expert is not None)
     gu = gate_up or decode_tiles(1)[0]
@@ -160,7 +185,8 @@ def route_gate_up(
         weights, ids, w13, a, e, h, i, x.stride(0), router_weight.stride(0), float(scaling_factor),
         -1 if extra_expert is None else int(extra_expert), i * w13.stride(1), w13.stride(0), w13.stride(1),
         a.stride(0), N_ROUTER=e_blocks * n_split, E_BLOCKS=e_blocks, N_COLS=n_cols, SPLIT=split, SPLITS=n_split,
-        BLOCK_T=rt["BLOCK_T"], BLOCK_E=rt["BLOCK_E"], BLOCK_KR=rt["BLOCK_K"], TOP_K=top_k, OUT_K=out_k,
+        BLOCK_T=rt["BLOCK_T"], BLOCK_E=rt["BLOCK_E"], BLOCK_KR=rt["BLOCK_K"], TOP_K=top_k,
+        SLOTS=triton.next_power_of_2(top_k), OUT_K=out_k,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize,
         **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
         BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], num_warps=gu.num_warps,
@@ -169,4 +195,4 @@ def route_gate_up(
     return weights, ids, a
 
 
-__all__ = ["route_gate_up"]
+__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up"]

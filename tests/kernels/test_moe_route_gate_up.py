@@ -1,6 +1,6 @@
 """kernels/moe/route_gate_up.py: one token's routing and its experts' gate-up in one launch, against the two
 launches it replaces (``router_route``, then the pair-row gate-up of ``moe_experts_decode``: bit for bit); the
-three counters across launches and graph replays; bad input."""
+counters across launches and graph replays; bad input."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from kernels.moe.decode import decode_tiles, launch_gate_up
 from kernels.moe.route_fused import router_route
-from kernels.moe.route_gate_up import route_gate_up
+from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up
 from kernels.triton_utils import LaunchTicket, dot_config
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
@@ -36,16 +36,18 @@ def _two_launches(x, w, bias, w13, k, extra):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("h", "e", "i", "k", "extra"), [(200, 40, 48, 4, True), (96, 24, 80, 6, False)])
+@pytest.mark.parametrize(
+    ("h", "e", "i", "k", "extra"), [(200, 40, 48, 4, True), (96, 24, 80, 6, False), (64, 16, 32, 1, True)]
+)
 def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype):
     x, w, bias, w13 = _inputs(h, e, i, extra, dtype, seed=h + e)
-    sync = LaunchTicket(3).get(x.device)
+    sync = LaunchTicket(SYNC_SIZE).get(x.device)
     want = _two_launches(x, w, bias, w13, k, e if extra else None)
     for _ in range(2):  # the second launch finds the counters put back to 0
         got = route_gate_up(x, w, sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None)
         for name, g, wt in zip(("weights", "ids", "gate-up"), got, want, strict=True):
             assert torch.equal(g, wt), name
-        assert sync.tolist() == [0, 0, 0]
+        assert not sync.any()
     assert got[2].shape == (k + extra, i)
     # the gate-up reads the experts the routing chose: another routing, other rows
     other = route_gate_up(x, w.flip(0), sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None)
@@ -58,7 +60,7 @@ def test_counters_survive_graph_replays():
     routed slots' programs wait for the router's inside the launch; every replay with a new token equals the two
     launches and leaves the counters at 0."""
     x, w, bias, w13 = _inputs(2304, 256, 1024, True, torch.bfloat16, seed=3)
-    sync = LaunchTicket(3).get(x.device)
+    sync = LaunchTicket(SYNC_SIZE).get(x.device)
     route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -70,12 +72,12 @@ def test_counters_survive_graph_replays():
         want = _two_launches(x, w, bias, w13, 8, 256)
         for name, g, wt in zip(("weights", "ids", "gate-up"), got, want, strict=True):
             assert torch.equal(g, wt), name
-    assert sync.tolist() == [0, 0, 0]
+    assert not sync.any()
 
 
 def test_bad_inputs_say_what_is_wrong():
     x, w, bias, w13 = _inputs(64, 16, 32, True, torch.float32, seed=1)
-    sync = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    sync = torch.zeros(SYNC_SIZE, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="one token"):
         route_gate_up(x.expand(2, -1), w, sync, bias, 2, True, 1.0, w13, extra_expert=16, split=32)
     with pytest.raises(ValueError, match="sync"):
@@ -84,7 +86,10 @@ def test_bad_inputs_say_what_is_wrong():
         route_gate_up(x, w, sync, bias, 2, True, 1.0, w13[:16], extra_expert=16, split=32)
     with pytest.raises(ValueError, match="w13"):
         route_gate_up(x, w, sync, bias, 2, True, 1.0, w13[..., :32], extra_expert=16, split=32)
-    assert sync.tolist() == [0, 0, 0]
+    x, w, bias, w13 = _inputs(64, MAX_ROUTED + 4, 32, False, torch.float32, seed=2)
+    with pytest.raises(ValueError, match=f"at most {MAX_ROUTED} experts"):
+        route_gate_up(x, w, sync, bias, MAX_ROUTED + 1, True, 1.0, w13, split=32)
+    assert not sync.any()
 
 
 # ---- in the engine ------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_decode_kernels_compile_for_the_h200(tiny_models, arch, dtype):
     backends = dataclasses.replace(gpu_backends(), dense=TritonDense(add_norm=True), norm=FlaNormBackend())
     eng.model.backends = backends
     if arch == "kimi_linear":
-        backends.moe.route_gate_up = True  # off by default (engine/backends/gpu_moe.py), compiled here all the same
+        backends.moe.route_gate_up = True  # the default (engine/backends/gpu_moe.py), set here all the same
     eng.model.pack_weights()  # as the engine does on CUDA
     with record_launches() as seen:
         eng.generate(random_prompts(1, [20], seed=1), params)  # one row: every one-row kernel
