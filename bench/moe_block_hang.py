@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     real, calls, seen = gpu_moe.route_gate_up, [0], {}
 
     def watchdog() -> None:
-        """The counters as the stuck launch left them: which of the three never came back to 0 says who waits."""
+        """The counters as the stuck launch left them: which word never came back to 0 says who waits."""
         side = torch.cuda.Stream()
         for sync in list(seen.values()):
             host = torch.empty(sync.shape, dtype=torch.int32, pin_memory=True)
