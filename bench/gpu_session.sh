@@ -83,9 +83,10 @@
 #                                            # the 2,048-token one-row agreement with TANDEM_PDL=1 (the run that hit
 #                                            # the twenty-fifth session's illegal address)
 #   bash bench/gpu_session.sh moe-block      # 1 x H200: the one-token MoE block's launches (the combine + norm in the down
-#                                            # launch, the routing in the gate-up launch): their tests, where the
-#                                            # fused route hangs in the engine (bench/moe_block_hang.py), then b1 at
-#                                            # 4k / 32k with TANDEM_MOE_DOWN_NORM=0 / 1 and TANDEM_MOE_ROUTE_GATE_UP=1
+#                                            # launch, the routing in the gate-up launch): their tests, the engine
+#                                            # with the launch watched (bench/moe_block_hang.py: give a fresh
+#                                            # machine's cold Triton cache minutes), then b1 at 4k / 32k with
+#                                            # TANDEM_MOE_DOWN_NORM=0 / 1 and TANDEM_MOE_ROUTE_GATE_UP=0
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -193,8 +194,8 @@ case "$step" in
   moe-block) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route_gate_up.py \
       tests/kernels/test_moe_down_norm.py tests/kernels/test_moe_combine_norm.py 2>&1 | tail -3 \
       | tee "$OUT/gpu_tests_moe_block.txt"
-    python -m bench.moe_block_hang --timeout 120 2>&1 | grep -v -i warn | tail -60 | tee "$OUT/moe_block_hang.txt" || true
-    for v in TANDEM_MOE_DOWN_NORM=0 TANDEM_MOE_DOWN_NORM=1 TANDEM_MOE_ROUTE_GATE_UP=1; do echo "== $v"
+    python -m bench.moe_block_hang --timeout 300 2>&1 | grep -v -i warn | tail -60 | tee "$OUT/moe_block_hang.txt" || true
+    for v in TANDEM_MOE_DOWN_NORM=0 TANDEM_MOE_DOWN_NORM=1 TANDEM_MOE_ROUTE_GATE_UP=0; do echo "== $v"
       env "$v" timeout 150 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
         --out "$OUT/decode_timeline_b1_${v/=/_}.json" 2>&1 | grep "a step"; done ;;
   fused-route) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route_fused.py tests/kernels/test_moe_router.py \
