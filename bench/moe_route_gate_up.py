@@ -1,0 +1,88 @@
+"""The one-token MoE routing inside the gate-up launch (kernels/moe/route_gate_up.py) against the two launches it
+replaces (``router_route``, then the pair-row gate-up), alone, at Kimi-Linear's shapes (hidden 2304, 256 experts
+top-8 + the shared one, 1024 wide), random bf16 weights.
+
+    python -m bench.moe_route_gate_up [--tokens 16] [--out route_gate_up.json]      # GPU, ~1 min
+
+Each launch gets the next of ``--tokens`` different tokens, so each routes to other experts and their weights come
+from HBM (the shared expert's and the router's stay in L2 from call to call, in both forms alike). Times are
+CUDA-graph replays (``bench.graph_time``). Every token's fused output is checked bit for bit against the two
+launches first. Runs from an older tree too (copy this file into it): the counters' size is read from the module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from bench.graph_time import graph_us
+from bench.mid.roofline import copy_bandwidth
+from kernels.moe import route_gate_up as fused_module
+from kernels.moe.decode import decode_tiles, launch_gate_up
+from kernels.moe.route_fused import router_route
+from kernels.triton_utils import dot_config
+
+HID, E, INTER, TOP_K = 2304, 256, 1024, 8
+
+
+def two_launches(x, w, ticket, bias, w13):
+    weights, ids = router_route(x, w, ticket, bias, TOP_K, True, 2.446, extra_expert=E)
+    flat = ids.reshape(-1)
+    a = torch.empty(flat.numel(), INTER, dtype=x.dtype, device=x.device)
+    dot_f32, prec = dot_config(x.dtype)
+    blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
+    launch_gate_up(x, flat, flat, flat, flat, w13, a, flat.numel(), decode_tiles(1)[0], blocks)
+    return weights, ids, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.moe_route_gate_up", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn(1, HID, generator=gen, device=dev).to(torch.bfloat16) for _ in range(a.tokens)]
+    w = (torch.randn(E, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16)
+    bias = 0.1 * torch.randn(E, generator=gen, device=dev)
+    w13 = (torch.randn(E + 1, 2 * INTER, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16)
+    sync = torch.zeros(getattr(fused_module, "SYNC_SIZE", 3), dtype=torch.int32, device=dev)
+    ticket = torch.zeros(1, dtype=torch.int32, device=dev)
+    fused = fused_module.route_gate_up
+    for x in xs:
+        got, want = (
+            fused(x, w, sync, bias, TOP_K, True, 2.446, w13, extra_expert=E),
+            two_launches(x, w, ticket, bias, w13),
+        )
+        if not all(torch.equal(g, t) for g, t in zip(got, want, strict=True)):
+            raise SystemExit("the fused launch differs from the two launches")
+    turn = [0]
+
+    def next_x() -> torch.Tensor:
+        turn[0] += 1
+        return xs[turn[0] % len(xs)]
+
+    res = {
+        "fused_us": graph_us(lambda: fused(next_x(), w, sync, bias, TOP_K, True, 2.446, w13, extra_expert=E), a.tokens),
+        "two_launches_us": graph_us(lambda: two_launches(next_x(), w, ticket, bias, w13), a.tokens),
+        "copy_tb_s": copy_bandwidth(dev)["bytes_per_s"] / 1e12,
+    }
+    if sync.any() or ticket.any():
+        raise SystemExit(f"counters not back at 0: {sync.tolist()} {ticket.tolist()}")
+    nbytes = (TOP_K + 1) * 2 * INTER * HID * 2 + E * HID * 2
+    res["fused_roofline"] = nbytes / (res["fused_us"] * 1e-6) / (res["copy_tb_s"] * 1e12)
+    print(
+        f"{torch.cuda.get_device_name()}: route + gate-up {res['fused_us']:.2f} us "
+        f"({res['fused_roofline']:.0%} of {res['copy_tb_s']:.2f} TB/s), two launches {res['two_launches_us']:.2f} us",
+        flush=True,
+    )
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
