@@ -81,6 +81,8 @@ class GPUMoEBackend(MoEBackend):
         self.down_norm = os.environ.get("TANDEM_MOE_DOWN_NORM", "1").strip() != "0"
         # the routing inside the gate-up launch at one token (with down_norm): b1 -20 us a step on the H200
         self.route_gate_up = os.environ.get("TANDEM_MOE_ROUTE_GATE_UP", "1").strip() != "0"
+        # its routed programs poll a word holding their expert instead of the flag (not yet run on a GPU)
+        self.route_slot_words = os.environ.get("TANDEM_MOE_ROUTE_SLOT_WORDS", "0").strip() == "1"
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -204,8 +206,9 @@ class GPUMoEBackend(MoEBackend):
                 x_row = x if x.stride(1) == 1 else x.contiguous()
                 sync, ticket = self._sync.get(x.device), self._ticket.get(x.device)
                 weights, ids, a = route_gate_up(
-                    x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert
-                )
+                    x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert,
+                    slot_words=self.route_slot_words,
+                )  # fmt: skip
                 return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket)
             except Exception as err:  # the routing's own launch from here on
                 self.route_gate_up = False

@@ -13,13 +13,19 @@ programs never wait and come first in the grid: the GPU dispatches a grid's bloc
 index (what CUB's single-pass scan and CUTLASS's stream-K fix-up also rely on), so they are running or done
 before any waiter holds an SM.
 
-The flag is the answer: the routing stores each routed slot's expert id + 1 in a word of its own (0: not yet), so
-a waiter's one poll that sees it non-zero has its expert, with no acquire and no second load before its weights
-stream (the gate-up programs read nothing else the routing writes; the down launch reads the weights after this
-launch ends). Each routed program counts itself once its rows are stored, off the path to its first weight load;
-the last one puts the slots' words and the count back to 0. ``SYNC`` is ``SYNC_SIZE`` int32 on the device
-(``LaunchTicket(SYNC_SIZE)``): the router's ticket, the routed programs' count, one word a routed slot; 0 before a
-launch and after it; launches that share it must not overlap (one stream).
+How a routed program learns its expert, two ways (``slot_words``):
+- the flag (the default, the form timed on the H200): the routing's last program raises one flag (release); a
+  waiter polls it, then an acquire, a barrier and a load of its expert id from the routing's output, and counts
+  itself before its weights stream; the last one counted puts the flag and the count back to 0;
+- the slot words (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``; written after the session's last device
+  call, so not yet timed or run on a GPU): the routing stores each routed slot's expert id + 1 in a word of its
+  own (0: not yet), so the poll that sees it non-zero has the expert: no acquire and no second load before the
+  weights stream (the gate-up programs read nothing else the routing writes; the down launch reads the weights
+  after this launch ends). Each routed program counts itself once its rows are stored, off the path to its first
+  weight load; the last one puts the words and the count back to 0.
+``SYNC`` is ``SYNC_SIZE`` int32 on the device (``LaunchTicket(SYNC_SIZE)``): the router's ticket, the routed
+programs' count, the flag, a word a routed slot; 0 before a launch and after it; launches that share it must not
+overlap (one stream).
 
 Session 35 took this launch for a hang: its first b1 run on a fresh H100 printed nothing in 150 s. Session 36 (H200)
 found the cause in the clock, not the kernel: a fresh machine's Triton cache is empty, and compiling the mid
@@ -42,8 +48,9 @@ from kernels.triton_utils import check_device
 
 MAX_ROUTED = 16
 """Routed experts a token at most: one flag word each in ``SYNC``."""
-SYNC_SIZE = 2 + MAX_ROUTED
-"""int32 words of a launch's counters: the router's ticket, the routed programs' count, a word a routed slot."""
+SYNC_SIZE = 3 + MAX_ROUTED
+"""int32 words of a launch's counters: the router's ticket, the routed programs' count, the flag, a routed slot's
+word (``slot_words``)."""
 
 
 @triton.jit
@@ -51,7 +58,7 @@ def _route_gate_up_kernel(
     X,  # [1, H] the token's normed hidden
     RW,  # [E, H] the router's weight
     P,  # [S, 1, E] fp32 partials (scratch)
-    SYNC,  # [SYNC_SIZE] int32: the router's ticket, the routed programs' count, a routed slot's expert id + 1
+    SYNC,  # [SYNC_SIZE] int32: the router's ticket, the routed programs' count, the flag, a slot's expert id + 1
     BIAS,  # [E]
     W_OUT,  # [1, OUT_K] fp32
     ID_OUT,  # [1, OUT_K] int64
@@ -89,10 +96,12 @@ def _route_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    SLOT_WORDS: tl.constexpr,  # each routed slot polls a word holding its expert, not the flag
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     pid = tl.program_id(0)
+    routed = TOP_K * N_COLS  # the routed slots' programs
     if pid < N_ROUTER:
         router_block(
             X, RW, P, pid % E_BLOCKS, pid // E_BLOCKS, 1, E, H, stride_x, stride_rw,
@@ -107,31 +116,46 @@ def _route_gate_up_kernel(
                 P, BIAS, W_OUT, ID_OUT, 0, 1, E, E, E, scaling, extra_id,
                 TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K, ".cg",
             )  # fmt: skip
-            tl.debug_barrier()  # the routing's id stores, read back by this program's threads
-            slots = tl.arange(0, SLOTS)
-            ids = tl.load(ID_OUT + slots, mask=slots < TOP_K, other=0, cache_modifier=".cg")
-            tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + 2 + slots, ids.to(tl.int32) + 1, mask=slots < TOP_K, sem="release", scope="gpu")
+            if SLOT_WORDS:
+                tl.debug_barrier()  # the routing's id stores, read back by this program's threads
+                slots = tl.arange(0, SLOTS)
+                ids = tl.load(ID_OUT + slots, mask=slots < TOP_K, other=0, cache_modifier=".cg")
+                tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(SYNC + 3 + slots, ids.to(tl.int32) + 1, mask=slots < TOP_K, sem="release", scope="gpu")
+            else:
+                tl.debug_barrier()  # the routing's stores before the flag's release
+                tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(SYNC + 2, 1, sem="release", scope="gpu")
     else:
         g = pid - N_ROUTER
         slot = (g // N_COLS + OUT_K - 1) % OUT_K if OUT_K > TOP_K else g // N_COLS  # the shared expert's first
         if slot == TOP_K:  # the shared expert: its id is the host's
             e = extra_id.to(tl.int32)
-        else:  # the slot's word is its expert + 1 once routed
-            word = tl.load(SYNC + 2 + slot, volatile=True)
+        elif SLOT_WORDS:  # the slot's word is its expert + 1 once routed
+            word = tl.load(SYNC + 3 + slot, volatile=True)
             while word == 0:
-                word = tl.load(SYNC + 2 + slot, volatile=True)
+                word = tl.load(SYNC + 3 + slot, volatile=True)
             e = word - 1
+        else:
+            while tl.load(SYNC + 2, volatile=True) == 0:
+                pass
+            tl.atomic_add(SYNC + 2, 0, sem="acquire", scope="gpu")  # orders the routing's loads after the flag
+            tl.debug_barrier()
+            e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)
+            seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
+            if seen == routed - 1:  # every routed program has seen the flag: both back to 0
+                tl.atomic_xchg(SYNC + 2, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
         gate_up_rows(
             X, X, W13, A, e, slot, slot + 1, g % N_COLS, H, INTER, up_offset, stride_x, stride_we, stride_wn,
             stride_a, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, True,
         )  # fmt: skip
-        if slot != TOP_K:  # counted after its rows, not before its loads: the last one puts the words back to 0
+        if SLOT_WORDS and slot != TOP_K:  # counted after its rows: the last one puts the words back to 0
             seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
-            if seen == TOP_K * N_COLS - 1:
+            if seen == routed - 1:
                 slots = tl.arange(0, SLOTS)
                 tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(SYNC + 2 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(SYNC + 3 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
 
 
 def route_gate_up(
@@ -146,11 +170,12 @@ def route_gate_up(
     extra_expert: int | None = None,
     gate_up: GemmTiles | None = None,
     split: int = SPLIT_K,
+    slot_words: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token x [1, H]: ``router_route`` (router_weight [E, H]) and the gate-up of its experts (w13 [E (+1), 2I,
     H]) in one launch -> (weights [1, k (+1)] fp32, ids [1, k (+1)] int64, silu(gate) * up [k (+1), I] in pair
     order: what ``kernels/moe/down_norm.down_combine_norm`` takes). sync: int32 [SYNC_SIZE] at 0
-    (``LaunchTicket(SYNC_SIZE)``)."""
+    (``LaunchTicket(SYNC_SIZE)``); slot_words: how the routed programs learn their experts (the module's doc)."""
     check_router_args("route_gate_up", x, router_weight, split)
     check_device("route_gate_up", w13, sync)
     e, h = router_weight.shape
@@ -189,7 +214,7 @@ def route_gate_up(
         SLOTS=triton.next_power_of_2(top_k), OUT_K=out_k,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize,
         **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], num_warps=gu.num_warps,
+        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, num_warps=gu.num_warps,
         num_stages=gu.num_stages, **pdl_kwargs(x, "moe.router_route"),
     )  # fmt: skip
     return weights, ids, a

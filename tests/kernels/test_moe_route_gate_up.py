@@ -4,6 +4,8 @@ counters across launches and graph replays; bad input."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up
 from kernels.triton_utils import LaunchTicket, dot_config
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
+from tests.kernels.sm90_compile import compile_errors, ptx_of, record_launches
 
 
 def _inputs(h: int, e: int, i: int, extra: bool, dtype: torch.dtype, seed: int, device=DEVICE):
@@ -35,36 +38,42 @@ def _two_launches(x, w, bias, w13, k, extra):
     return weights, ids, a
 
 
+@pytest.mark.parametrize("slot_words", [False, True], ids=["flag", "slot_words"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("h", "e", "i", "k", "extra"), [(200, 40, 48, 4, True), (96, 24, 80, 6, False), (64, 16, 32, 1, True)]
 )
-def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype):
+def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype, slot_words):
     x, w, bias, w13 = _inputs(h, e, i, extra, dtype, seed=h + e)
     sync = LaunchTicket(SYNC_SIZE).get(x.device)
     want = _two_launches(x, w, bias, w13, k, e if extra else None)
     for _ in range(2):  # the second launch finds the counters put back to 0
-        got = route_gate_up(x, w, sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None)
+        got = route_gate_up(
+            x, w, sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None, slot_words=slot_words
+        )
         for name, g, wt in zip(("weights", "ids", "gate-up"), got, want, strict=True):
             assert torch.equal(g, wt), name
         assert not sync.any()
     assert got[2].shape == (k + extra, i)
     # the gate-up reads the experts the routing chose: another routing, other rows
-    other = route_gate_up(x, w.flip(0), sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None)
+    other = route_gate_up(
+        x, w.flip(0), sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None, slot_words=slot_words
+    )
     assert not torch.equal(other[1], got[1]) and not torch.equal(other[2], got[2])
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA graph needs CUDA (the interpreter runs programs one by one)")
-def test_counters_survive_graph_replays():
+@pytest.mark.parametrize("slot_words", [False, True], ids=["flag", "slot_words"])
+def test_counters_survive_graph_replays(slot_words):
     """Programs really run concurrently here, at Kimi's shapes (256 experts + the shared one, 2304 x 1024): the
     routed slots' programs wait for the router's inside the launch; every replay with a new token equals the two
     launches and leaves the counters at 0."""
     x, w, bias, w13 = _inputs(2304, 256, 1024, True, torch.bfloat16, seed=3)
     sync = LaunchTicket(SYNC_SIZE).get(x.device)
-    route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256)  # compile outside the capture
+    route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256, slot_words=slot_words)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256)
+        got = route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256, slot_words=slot_words)
     gen = torch.Generator(device=x.device).manual_seed(11)
     for _ in range(50):
         x.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x))
@@ -97,14 +106,35 @@ def test_bad_inputs_say_what_is_wrong():
 
 @pytest.mark.usefixtures("fla_unblocked")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engine with interpreted kernels")
-@pytest.mark.parametrize("route_gate_up_on", ["1", "0"])
-def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, route_gate_up_on):
+@pytest.mark.parametrize(("route_gate_up_on", "slot_words"), [("1", "0"), ("1", "1"), ("0", "0")])
+def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, route_gate_up_on, slot_words):
     """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
     row), weights packed as on CUDA: the reference backends' tokens with a MoE block in two launches (the fused
     route + gate-up ran once per MoE layer a decode step, the router's own launch never at one token) and with
-    the routing in its own launch."""
+    the routing in its own launch; the fused launch's routed programs told their experts by the flag or by the
+    slot words."""
     monkeypatch.setenv("TANDEM_MOE_ROUTE_GATE_UP", route_gate_up_on)
+    monkeypatch.setenv("TANDEM_MOE_ROUTE_SLOT_WORDS", slot_words)
     rows, one_row_blocks = one_row_launches(tiny_models, monkeypatch, ["route_gate_up", "router_route"])
     on = route_gate_up_on == "1"
     assert len(rows["route_gate_up"]) == (one_row_blocks if on else 0)
     assert rows["router_route"].count(1) == (0 if on else one_row_blocks)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="records interpreted launches; on a GPU the tests above compile them anyway")
+def test_both_forms_compile_for_sm90_and_poll_with_volatile_loads():
+    """The flag and the slot words, each in bf16 at Kimi's top-8 with the shared expert, compiled for the H200 on
+    the host (as it is and with PDL on); the waiters' polls are ``ld.volatile`` loops, not one hoisted load."""
+    x, w, bias, w13 = _inputs(256, 32, 64, True, torch.bfloat16, seed=4)
+    sync = torch.zeros(SYNC_SIZE, dtype=torch.int32, device=DEVICE)
+    with record_launches() as seen:
+        for slot_words in (False, True):
+            route_gate_up(x, w, sync, bias, 8, True, 1.0, w13, extra_expert=32, slot_words=slot_words)
+    launches = sorted(seen, key=str)
+    assert len(launches) == 2
+    assert compile_errors(launches) == []
+    # a block that branches back to its own label with a volatile load inside (no label between)
+    loop = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
+    for launch in launches:
+        bodies = [m.group(2) for m in loop.finditer(ptx_of(launch))]
+        assert any("ld.volatile.global" in b for b in bodies), "the poll is not a loop of volatile loads"

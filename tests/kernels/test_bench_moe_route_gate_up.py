@@ -1,0 +1,43 @@
+"""bench/moe_route_gate_up.py's code path on the host at small shapes (interpreted kernels; timing stubbed): both
+forms of the fused launch checked against the two launches, every row of the report written; a fused launch
+that differs stops the bench."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import bench.moe_route_gate_up as bench
+
+
+@pytest.fixture
+def small(monkeypatch):
+    monkeypatch.setattr(bench, "HID", 64)
+    monkeypatch.setattr(bench, "E", 16)
+    monkeypatch.setattr(bench, "INTER", 32)
+    monkeypatch.setattr(bench, "TOP_K", 4)
+    monkeypatch.setattr(bench, "graph_us", lambda fn, iters: (fn(), 2.0)[1])
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda dev: {"bytes_per_s": 1e12})
+
+
+@pytest.mark.usefixtures("small")
+def test_reports_both_forms_and_the_two_launches(tmp_path):
+    out = tmp_path / "r.json"
+    assert bench.main(["--device", "cpu", "--tokens", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name in ("fused_flag", "fused_slot_words", "two_launches"):
+        assert res[f"{name}_us"] == 2.0 and res[f"{name}_roofline"] > 0
+
+
+@pytest.mark.usefixtures("small")
+def test_a_fused_launch_that_differs_stops_it(monkeypatch):
+    real = bench.two_launches
+
+    def other_rows(*args):
+        weights, ids, a = real(*args)
+        return weights, ids, a + 1
+
+    monkeypatch.setattr(bench, "two_launches", other_rows)
+    with pytest.raises(SystemExit, match="differs from the two launches"):
+        bench.main(["--device", "cpu", "--tokens", "1"])
