@@ -87,6 +87,11 @@
 #                                            # with the launch watched (bench/moe_block_hang.py: give a fresh
 #                                            # machine's cold Triton cache minutes), then b1 at 4k / 32k with
 #                                            # TANDEM_MOE_DOWN_NORM=0 / 1 and TANDEM_MOE_ROUTE_GATE_UP=0
+#   bash bench/gpu_session.sh route-words    # 1 x H200: the fused route + gate-up launch's tests (the flag and the slot
+#                                            # words), bench/moe_route_gate_up.py (both forms and the two launches
+#                                            # alone, ~1 min, no checkpoint), then b1 at 4k / 32k with
+#                                            # TANDEM_MOE_ROUTE_SLOT_WORDS=0 / 1, twice (the first writes the mid
+#                                            # checkpoint and fills a cold Triton cache: minutes)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -115,7 +120,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
@@ -235,6 +240,14 @@ case "$step" in
       | tee "$OUT/b1_cuts_33_ab.txt"
     python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 \
       | grep -v -i warn | grep "one at a time" | tee "$OUT/agreement_b1_cuts_33.txt" ;;
+  route-words) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route_gate_up.py 2>&1 | tail -3 \
+      | tee "$OUT/gpu_tests_route_words.txt"
+    python -m bench.moe_route_gate_up --out "$OUT/moe_route_gate_up.json" 2>&1 | grep -v -i warn \
+      | tee "$OUT/moe_route_gate_up.txt"
+    for i in 1 2; do for v in 0 1; do echo "== TANDEM_MOE_ROUTE_SLOT_WORDS=$v, run $i"
+      TANDEM_MOE_ROUTE_SLOT_WORDS=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
+        --out "$OUT/decode_timeline_route_words_${v}_$i.json" 2>&1 | grep "a step"; done; done \
+      | tee "$OUT/route_words_ab.txt" ;;
   pdl-prefetch) python -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_prefetch.py tests/kernels/test_pdl.py \
       2>&1 | tail -3 | tee "$OUT/gpu_tests_pdl_prefetch.txt"
     for i in 1 2; do for sw in TANDEM_PDL=0 TANDEM_PDL=1 "TANDEM_PDL=1 TANDEM_PDL_PREFETCH_MB=16" \
