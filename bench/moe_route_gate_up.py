@@ -23,21 +23,12 @@ import torch
 from bench.graph_time import graph_us
 from bench.mid.roofline import copy_bandwidth
 from kernels.moe import route_gate_up as fused_module
-from kernels.moe.decode import decode_tiles, launch_gate_up
-from kernels.moe.route_fused import router_route
-from kernels.triton_utils import dot_config
 
 HID, E, INTER, TOP_K = 2304, 256, 1024, 8
 
 
 def two_launches(x, w, ticket, bias, w13):
-    weights, ids = router_route(x, w, ticket, bias, TOP_K, True, 2.446, extra_expert=E)
-    flat = ids.reshape(-1)
-    a = torch.empty(flat.numel(), INTER, dtype=x.dtype, device=x.device)
-    dot_f32, prec = dot_config(x.dtype)
-    blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
-    launch_gate_up(x, flat, flat, flat, flat, w13, a, flat.numel(), decode_tiles(1)[0], blocks)
-    return weights, ids, a
+    return fused_module.route_then_gate_up(x, w, ticket, bias, TOP_K, True, 2.446, w13, extra_expert=E)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,12 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.decode import decode_tiles, gate_up_rows
+from kernels.moe.decode import decode_tiles, gate_up_rows, launch_gate_up
+from kernels.moe.route_fused import router_route
 from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
 from kernels.moe.tiles import GemmTiles
 from kernels.moe.triton import check_route_args, route_rows, route_tiles
 from kernels.pdl import pdl_enter, pdl_kwargs
-from kernels.triton_utils import check_device
+from kernels.triton_utils import check_device, dot_config
 
 MAX_ROUTED = 16
 """Routed experts a token at most: one flag word each in ``SYNC``."""
@@ -220,4 +221,28 @@ def route_gate_up(
     return weights, ids, a
 
 
-__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up"]
+def route_then_gate_up(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    ticket: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling_factor: float,
+    w13: torch.Tensor,
+    extra_expert: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contract: the two launches ``route_gate_up`` replaces (``router_route`` with its int32 [1] ticket, then
+    the pair-row gate-up at ``decode_tiles(1)``), returning what it returns."""
+    weights, ids = router_route(
+        x, router_weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
+    )
+    flat = ids.reshape(-1)
+    a = torch.empty(flat.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    dot_f32, prec = dot_config(x.dtype)
+    blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
+    launch_gate_up(x, flat, flat, flat, flat, w13, a, flat.numel(), decode_tiles(1)[0], blocks)
+    return weights, ids, a
+
+
+__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up", "route_then_gate_up"]

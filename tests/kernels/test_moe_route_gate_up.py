@@ -9,10 +9,8 @@ import re
 import pytest
 import torch
 
-from kernels.moe.decode import decode_tiles, launch_gate_up
-from kernels.moe.route_fused import router_route
-from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up
-from kernels.triton_utils import LaunchTicket, dot_config
+from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up, route_then_gate_up
+from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
 from tests.kernels.sm90_compile import compile_errors, ptx_of, record_launches
@@ -29,13 +27,7 @@ def _inputs(h: int, e: int, i: int, extra: bool, dtype: torch.dtype, seed: int, 
 
 def _two_launches(x, w, bias, w13, k, extra):
     ticket = torch.zeros(1, dtype=torch.int32, device=x.device)
-    weights, ids = router_route(x, w, ticket, bias, k, True, 2.446, extra_expert=extra)
-    flat = ids.reshape(-1)
-    a = torch.empty(flat.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    dot_f32, prec = dot_config(x.dtype)
-    blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
-    launch_gate_up(x, flat, flat, flat, flat, w13, a, flat.numel(), decode_tiles(1)[0], blocks)
-    return weights, ids, a
+    return route_then_gate_up(x, w, ticket, bias, k, True, 2.446, w13, extra_expert=extra)
 
 
 @pytest.mark.parametrize("slot_words", [False, True], ids=["flag", "slot_words"])
