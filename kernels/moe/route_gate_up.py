@@ -48,7 +48,7 @@ from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config
 
 MAX_ROUTED = 16
-"""Routed experts a token at most: one flag word each in ``SYNC``."""
+"""Routed experts a token at most with ``slot_words``: one word each in ``SYNC``."""
 SYNC_SIZE = 3 + MAX_ROUTED
 """int32 words of a launch's counters: the router's ticket, the routed programs' count, the flag, a routed slot's
 word (``slot_words``)."""
@@ -189,8 +189,8 @@ def route_gate_up(
         )
     if w13.shape[0] < (e if extra_expert is None else extra_expert + 1):
         raise ValueError(f"w13 holds {w13.shape[0]} experts: too few for {e} routed and extra expert {extra_expert}")
-    if top_k > MAX_ROUTED:
-        raise ValueError(f"route_gate_up routes at most {MAX_ROUTED} experts a token, got top_k {top_k}")
+    if slot_words and top_k > MAX_ROUTED:
+        raise ValueError(f"route_gate_up's slot words hold at most {MAX_ROUTED} experts a token, got top_k {top_k}")
     if sync.shape != (SYNC_SIZE,) or sync.dtype != torch.int32:
         raise ValueError(
             f"sync must be an int32 [{SYNC_SIZE}] (LaunchTicket(SYNC_SIZE)), got {sync.dtype} {tuple(sync.shape)}"

@@ -89,7 +89,7 @@ def test_bad_inputs_say_what_is_wrong():
         route_gate_up(x, w, sync, bias, 2, True, 1.0, w13[..., :32], extra_expert=16, split=32)
     x, w, bias, w13 = _inputs(64, MAX_ROUTED + 4, 32, False, torch.float32, seed=2)
     with pytest.raises(ValueError, match=f"at most {MAX_ROUTED} experts"):
-        route_gate_up(x, w, sync, bias, MAX_ROUTED + 1, True, 1.0, w13, split=32)
+        route_gate_up(x, w, sync, bias, MAX_ROUTED + 1, True, 1.0, w13, split=32, slot_words=True)
     assert not sync.any()
 
 
