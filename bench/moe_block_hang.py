@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             side.synchronize()
             print(
                 f"watchdog at {a.timeout - 10} s, launch {calls[0]}: counters "
-                f"(router ticket, routed count, slots' words) {host.tolist()}",
+                f"(router ticket, routed count, flag, slots' words) {host.tolist()}",
                 flush=True,
             )
 
