@@ -17,12 +17,12 @@ How a routed program learns its expert, two ways (``slot_words``):
 - the flag (the default, the form timed on the H200): the routing's last program raises one flag (release); a
   waiter polls it, then an acquire, a barrier and a load of its expert id from the routing's output, and counts
   itself before its weights stream; the last one counted puts the flag and the count back to 0;
-- the slot words (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``; written after the session's last device
-  call, so not yet timed or run on a GPU): the routing stores each routed slot's expert id + 1 in a word of its
-  own (0: not yet), so the poll that sees it non-zero has the expert: no acquire and no second load before the
-  weights stream (the gate-up programs read nothing else the routing writes; the down launch reads the weights
-  after this launch ends). Each routed program counts itself once its rows are stored, off the path to its first
-  weight load; the last one puts the words and the count back to 0.
+- the slot words (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``): the routing's last program writes each
+  routed slot's expert id + 1 into a word of its own (0: not yet) straight from its registers (``route_rows``
+  returns the ids it stored), so the poll that sees it non-zero has the expert: no acquire and no second load
+  before the weights stream (the gate-up programs read nothing else the routing writes; the down launch reads
+  the weights after this launch ends). Each routed program counts itself once its rows are stored, off the path
+  to its first weight load; the last one puts the words and the count back to 0.
 ``SYNC`` is ``SYNC_SIZE`` int32 on the device (``LaunchTicket(SYNC_SIZE)``): the router's ticket, the routed
 programs' count, the flag, a word a routed slot; 0 before a launch and after it; launches that share it must not
 overlap (one stream).
@@ -113,16 +113,16 @@ def _route_gate_up_kernel(
         ticket = tl.atomic_add(SYNC, 1, sem="acq_rel", scope="gpu")
         if ticket == N_ROUTER - 1:  # the last router program: every partial is stored
             tl.debug_barrier()
-            route_rows(
+            ids = route_rows(
                 P, BIAS, W_OUT, ID_OUT, 0, 1, E, E, E, scaling, extra_id,
                 TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K, ".cg",
             )  # fmt: skip
-            if SLOT_WORDS:
-                tl.debug_barrier()  # the routing's id stores, read back by this program's threads
-                slots = tl.arange(0, SLOTS)
-                ids = tl.load(ID_OUT + slots, mask=slots < TOP_K, other=0, cache_modifier=".cg")
+            if SLOT_WORDS:  # the words from the routing's registers (row 0 of its block): no store read back
                 tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(SYNC + 3 + slots, ids.to(tl.int32) + 1, mask=slots < TOP_K, sem="release", scope="gpu")
+                o_k = tl.arange(0, ROUTE_BLOCK_K)
+                m_w = (tl.arange(0, ROUTE_BLOCK_T) == 0)[:, None] & (o_k < TOP_K)[None, :]
+                words = SYNC + 3 + tl.zeros([ROUTE_BLOCK_T, ROUTE_BLOCK_K], dtype=tl.int32) + o_k[None, :]
+                tl.atomic_xchg(words, ids + 1, mask=m_w, sem="release", scope="gpu")
             else:
                 tl.debug_barrier()  # the routing's stores before the flag's release
                 tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
