@@ -121,7 +121,8 @@ def route_tiles(t: int, e: int, out_k: int, block_t: int | None = None) -> dict[
     k argmax rounds are serial in a program (H200, kernel time, E=256: T=64 3.6 us at 2 tokens vs 11.4 at 16;
     T=4096 12.6 us at 4 vs 14.4 at 16; bench/gpu_kernels_check.py)."""
     block_e = next_pow2(e)
-    block_t = block_t or max(1, min(2 if t <= 1024 else 4, 4096 // block_e))
+    # one token (a batch-1 step) in a block of one: the rounds' reductions over half the elements
+    block_t = block_t or max(1, min(1 if t == 1 else 2 if t <= 1024 else 4, 4096 // block_e))
     return {"BLOCK_T": block_t, "BLOCK_E": block_e, "BLOCK_K": next_pow2(out_k)}
 
 
