@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--build-dir", default=None, help="where the extension is built (default: <src>/build)")
     a = p.parse_args(argv)
-    mod = load_flashmla(a.src, a.build_dir, verbose=True)
+    # the sources always: an exported TANDEM_FLASHMLA_SO (say, where this build is meant to land) must not turn
+    # the build into an import of what is not built yet
+    mod = load_flashmla(a.src or str(source_dir()), a.build_dir, verbose=True)
     print(f"built {mod.__file__}\nexport TANDEM_FLASHMLA_SO={mod.__file__}")
     return 0
 

@@ -66,6 +66,21 @@ def test_missing_sources_are_named(tmp_path):
         load_flashmla(str(tmp_path))
 
 
+def test_the_build_command_builds_even_with_a_prebuilt_path_exported(monkeypatch, tmp_path):
+    """``python -m kernels.flashmla.build`` with TANDEM_FLASHMLA_SO pointing where the build is meant to land: it
+    goes to the sources (here missing: named), never imports the path."""
+    from kernels.flashmla import build
+
+    monkeypatch.setenv("TANDEM_FLASHMLA_SO", str(tmp_path / "not_built_yet.so"))
+    monkeypatch.setenv("TANDEM_FLASHMLA_SRC", str(tmp_path / "src"))
+    build.load_flashmla.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="FlashMLA sources not found"):
+            build.main(["--build-dir", str(tmp_path / "out")])
+    finally:
+        build.load_flashmla.cache_clear()
+
+
 def test_unusable_caches_say_why():
     cpu = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     assert "not on a CUDA device" in flashmla_unusable(cpu, 32)
