@@ -14,15 +14,17 @@ index (what CUB's single-pass scan and CUTLASS's stream-K fix-up also rely on), 
 before any waiter holds an SM.
 
 How a routed program learns its expert, two ways (``slot_words``):
-- the flag (the default, the form timed on the H200): the routing's last program raises one flag (release); a
-  waiter polls it, then an acquire, a barrier and a load of its expert id from the routing's output, and counts
-  itself before its weights stream; the last one counted puts the flag and the count back to 0;
-- the slot words (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``): the routing's last program writes each
-  routed slot's expert id + 1 into a word of its own (0: not yet) straight from its registers (``route_rows``
-  returns the ids it stored), so the poll that sees it non-zero has the expert: no acquire and no second load
-  before the weights stream (the gate-up programs read nothing else the routing writes; the down launch reads
-  the weights after this launch ends). Each routed program counts itself once its rows are stored, off the path
-  to its first weight load; the last one puts the words and the count back to 0.
+- the flag (the default: the faster form in a decode step, docs/PERFORMANCE.md, thirty-seventh session): the
+  routing's last program raises one flag (release); a waiter polls it, then an acquire, a barrier and a load of
+  its expert id from the routing's output, and counts itself before its weights stream; the last one counted puts
+  the flag and the count back to 0;
+- the slot words (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``; off: on an H100 3 us faster than the
+  flag alone, yet 1.3 us a layer slower in a b1 step, where other launches run around it): the routing's last
+  program writes each routed slot's expert id + 1 into a word of its own (0: not yet) straight from its registers
+  (``route_rows`` returns the ids it stored), so the poll that sees it non-zero has the expert: no acquire and no
+  second load before the weights stream (the gate-up programs read nothing else the routing writes; the down
+  launch reads the weights after this launch ends). Each routed program counts itself once its rows are stored,
+  off the path to its first weight load; the last one puts the words and the count back to 0.
 ``SYNC`` is ``SYNC_SIZE`` int32 on the device (``LaunchTicket(SYNC_SIZE)``): the router's ticket, the routed
 programs' count, the flag, a word a routed slot; 0 before a launch and after it; launches that share it must not
 overlap (one stream).
