@@ -89,7 +89,8 @@
 #                                            # TANDEM_MOE_DOWN_NORM=0 / 1 and TANDEM_MOE_ROUTE_GATE_UP=0
 #   bash bench/gpu_session.sh route-words    # 1 x H200: the fused route + gate-up launch's tests (the flag and the slot
 #                                            # words), bench/moe_route_gate_up.py (both forms and the two launches
-#                                            # alone, ~1 min, no checkpoint), then b1 at 4k / 32k with
+#                                            # alone, ~1 min, no checkpoint; router and shared expert in L2 and not:
+#                                            # --copies 1 / 8), then b1 at 4k / 32k with
 #                                            # TANDEM_MOE_ROUTE_SLOT_WORDS=0 / 1, twice (the first writes the mid
 #                                            # checkpoint and fills a cold Triton cache: minutes)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
@@ -242,8 +243,8 @@ case "$step" in
       | grep -v -i warn | grep "one at a time" | tee "$OUT/agreement_b1_cuts_33.txt" ;;
   route-words) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_route_gate_up.py 2>&1 | tail -3 \
       | tee "$OUT/gpu_tests_route_words.txt"
-    python -m bench.moe_route_gate_up --out "$OUT/moe_route_gate_up.json" 2>&1 | grep -v -i warn \
-      | tee "$OUT/moe_route_gate_up.txt"
+    for c in 1 8; do python -m bench.moe_route_gate_up --copies $c --out "$OUT/moe_route_gate_up_c$c.json" 2>&1 \
+      | grep -v -i warn | tee -a "$OUT/moe_route_gate_up.txt"; done
     for i in 1 2; do for v in 0 1; do echo "== TANDEM_MOE_ROUTE_SLOT_WORDS=$v, run $i"
       TANDEM_MOE_ROUTE_SLOT_WORDS=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
         --out "$OUT/decode_timeline_route_words_${v}_$i.json" 2>&1 | grep "a step"; done; done \

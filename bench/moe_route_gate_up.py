@@ -2,15 +2,18 @@
 replaces (``router_route``, then the pair-row gate-up), alone, at Kimi-Linear's shapes (hidden 2304, 256 experts
 top-8 + the shared one, 1024 wide), random bf16 weights.
 
-    python -m bench.moe_route_gate_up [--tokens 16] [--out route_gate_up.json]      # GPU, ~1 min
+    python -m bench.moe_route_gate_up [--tokens 16] [--copies 8] [--out route_gate_up.json]      # GPU, ~1 min
 
 The fused launch twice: its routed programs told their experts by the flag (the default) and by the slot words
 (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``).
 
 Each launch gets the next of ``--tokens`` different tokens, so each routes to other experts and their weights come
-from HBM (the shared expert's and the router's stay in L2 from call to call, in both forms alike). Times are
-CUDA-graph replays (``bench.graph_time``). Every token's fused output is checked bit for bit against the two
-launches first."""
+from HBM. The router's weight, its bias and the shared expert rotate over ``--copies`` copies (default 8: ~85 MB
+of them, past the L2), so they come from HBM too, as in a decode step, where every other layer's weights pass
+through the L2 between two calls of one layer. With ``--copies 1`` they stay in L2 from call to call: the
+thirty-seventh session's H100 numbers came that way, and there the slot words beat the flag by 3 us a launch
+while in the step they lost 1.3 us (docs/PERFORMANCE.md). Times are CUDA-graph replays (``bench.graph_time``).
+Every token's fused output is checked bit for bit against the two launches first."""
 
 from __future__ import annotations
 
@@ -27,45 +30,61 @@ from kernels.moe import route_gate_up as fused_module
 HID, E, INTER, TOP_K = 2304, 256, 1024, 8
 
 
-def two_launches(x, w, ticket, bias, w13):
-    return fused_module.route_then_gate_up(x, w, ticket, bias, TOP_K, True, 2.446, w13, extra_expert=E)
+def two_launches(x, w, ticket, bias, w13, shared):
+    return fused_module.route_then_gate_up(x, w, ticket, bias, TOP_K, True, 2.446, w13, extra_expert=shared)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.moe_route_gate_up", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--copies", type=int, default=8, help="copies of the router and the shared expert, in turn")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--device", default="cuda", help="cuda (cpu: the code path under TRITON_INTERPRET=1, in tests)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
+    if a.tokens < 1 or a.copies < 1:
+        raise SystemExit(f"--tokens and --copies must be >= 1, got {a.tokens} and {a.copies}")
     gen = torch.Generator(device=dev).manual_seed(0)
     xs = [torch.randn(1, HID, generator=gen, device=dev).to(torch.bfloat16) for _ in range(a.tokens)]
-    w = (torch.randn(E, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16)
-    bias = 0.1 * torch.randn(E, generator=gen, device=dev)
-    w13 = (torch.randn(E + 1, 2 * INTER, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16)
+    ws = [(torch.randn(E, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16) for _ in range(a.copies)]
+    biases = [0.1 * torch.randn(E, generator=gen, device=dev) for _ in range(a.copies)]
+    # experts E .. E + copies - 1: the shared expert's copies (never routed: the routing picks among the first E)
+    w13 = (torch.randn(E + a.copies, 2 * INTER, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16)
     sync = torch.zeros(fused_module.SYNC_SIZE, dtype=torch.int32, device=dev)
     ticket = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    def fused(x: torch.Tensor, slot_words: bool) -> tuple[torch.Tensor, ...]:
+    def case(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Call i's (token, router weight, bias, shared expert)."""
+        c = i % a.copies
+        return xs[i % a.tokens], ws[c], biases[c], E + c
+
+    def fused(i: int, slot_words: bool) -> tuple[torch.Tensor, ...]:
+        x, w, bias, shared = case(i)
         return fused_module.route_gate_up(
-            x, w, sync, bias, TOP_K, True, 2.446, w13, extra_expert=E, slot_words=slot_words
+            x, w, sync, bias, TOP_K, True, 2.446, w13, extra_expert=shared, slot_words=slot_words
         )
 
-    for x in xs:
-        want = two_launches(x, w, ticket, bias, w13)
+    def unfused(i: int) -> tuple[torch.Tensor, ...]:
+        x, w, bias, shared = case(i)
+        return two_launches(x, w, ticket, bias, w13, shared)
+
+    for i in range(max(a.tokens, a.copies)):
+        want = unfused(i)
         for slot_words in (False, True):
-            if not all(torch.equal(g, t) for g, t in zip(fused(x, slot_words), want, strict=True)):
+            if not all(torch.equal(g, t) for g, t in zip(fused(i, slot_words), want, strict=True)):
                 raise SystemExit(f"the fused launch (slot_words={slot_words}) differs from the two launches")
     turn = [0]
 
-    def next_x() -> torch.Tensor:
+    def next_case() -> int:
         turn[0] += 1
-        return xs[turn[0] % len(xs)]
+        return turn[0]
 
+    calls = max(16, a.tokens, a.copies)  # calls a graph: every token and every copy in turn
     res = {
-        "fused_flag_us": graph_us(lambda: fused(next_x(), False), a.tokens),
-        "fused_slot_words_us": graph_us(lambda: fused(next_x(), True), a.tokens),
-        "two_launches_us": graph_us(lambda: two_launches(next_x(), w, ticket, bias, w13), a.tokens),
+        "fused_flag_us": graph_us(lambda: fused(next_case(), False), calls),
+        "fused_slot_words_us": graph_us(lambda: fused(next_case(), True), calls),
+        "two_launches_us": graph_us(lambda: unfused(next_case()), calls),
+        "copies": a.copies,
         "copy_tb_s": copy_bandwidth(dev)["bytes_per_s"] / 1e12,
     }
     if sync.any() or ticket.any():
@@ -73,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = (TOP_K + 1) * 2 * INTER * HID * 2 + E * HID * 2
     bw = res["copy_tb_s"] * 1e12
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
-    print(f"{name}, copy {res['copy_tb_s']:.2f} TB/s, {nbytes / 1e6:.1f} MB a token:", flush=True)
+    print(
+        f"{name}, copy {res['copy_tb_s']:.2f} TB/s, {nbytes / 1e6:.1f} MB a token, {a.copies} copies of the router "
+        "and the shared expert:",
+        flush=True,
+    )
     for name in ("fused_flag", "fused_slot_words", "two_launches"):
         us = res[f"{name}_us"]
         res[f"{name}_roofline"] = nbytes / (us * 1e-6) / bw

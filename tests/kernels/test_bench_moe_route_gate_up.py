@@ -41,3 +41,21 @@ def test_a_fused_launch_that_differs_stops_it(monkeypatch):
     monkeypatch.setattr(bench, "two_launches", other_rows)
     with pytest.raises(SystemExit, match="differs from the two launches"):
         bench.main(["--device", "cpu", "--tokens", "1"])
+
+
+@pytest.mark.usefixtures("small")
+def test_the_router_and_the_shared_expert_rotate_over_their_copies(monkeypatch):
+    """Each call reads another copy of the router and the shared expert (HBM, not L2, as in a decode step)."""
+    real = bench.fused_module.route_gate_up
+    seen: list[tuple[int, int]] = []
+
+    def recording(x, w, *args, extra_expert=None, **kw):
+        seen.append((w.data_ptr(), extra_expert))
+        return real(x, w, *args, extra_expert=extra_expert, **kw)
+
+    monkeypatch.setattr(bench.fused_module, "route_gate_up", recording)
+    assert bench.main(["--device", "cpu", "--tokens", "2", "--copies", "3"]) == 0
+    assert {shared for _, shared in seen} == {bench.E, bench.E + 1, bench.E + 2}
+    assert len({ptr for ptr, _ in seen}) == 3
+    with pytest.raises(SystemExit, match="--copies must be >= 1"):
+        bench.main(["--device", "cpu", "--copies", "0"])
