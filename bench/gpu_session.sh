@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Issue 5 / 6 GPU benchmarks, one step per device command (each well under 10 minutes).
 #
+#   bash bench/gpu_session.sh setup          # a fresh machine, first: fla-core from the carried wheels (WHEELS, default
+#                                            # .whl) into /tmp/site, FlashMLA built from the carried .flashmla_src into
+#                                            # /tmp/fbuild and the Kimi mid checkpoint written, the two in parallel
+#                                            # (~2 min); then export the TANDEM_FLASHMLA_SO it prints for every step
 #   bash bench/gpu_session.sh mid-tandem     # 1 x H200: ceilings, Tandem prefill/decode, breakdown, overhead, graphs
 #   bash bench/gpu_session.sh mid-hf         # 1 x H200: the same workloads through HF KimiLinearForCausalLM
 #   bash bench/gpu_session.sh par-kimi-a     # 2 x H200: Kimi mid, one GPU (all workloads) + pcp=2
@@ -121,9 +125,16 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
+  setup) if [ ! -d /tmp/site/fla ]; then pip install -q --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl; fi
+    python -m kernels.flashmla.build --build-dir /tmp/fbuild > "$OUT/flashmla_build.txt" 2>&1 &
+    build=$!
+    python -c "from pathlib import Path; from bench.mid.checkpoint import MidSpec, write_mid_model
+write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False))"
+    wait "$build" || { tail -5 "$OUT/flashmla_build.txt" >&2; exit 1; }
+    tail -1 "$OUT/flashmla_build.txt" ;;
   mid-tandem) python -m bench.gpu_mid --parts tandem --out "$OUT/mid_tandem.json" "$@" ;;
   mid-hf) python -m bench.gpu_mid --parts hf --out "$OUT/mid_hf.json" "$@" ;;
   par-kimi-a) python -m bench.parallel_gpu --arch kimi_linear --layouts single pcp2 --out "$OUT/par_kimi_a.json" "$@" ;;
