@@ -97,6 +97,10 @@
 #                                            # --copies 1 / 8), then b1 at 4k / 32k with
 #                                            # TANDEM_MOE_ROUTE_SLOT_WORDS=0 / 1, twice (the first writes the mid
 #                                            # checkpoint and fills a cold Triton cache: minutes)
+#   bash bench/gpu_session.sh block-one-launch # 1 x H200: the one-token MoE block in one launch (the down programs in
+#                                            # the route + gate-up launch, TANDEM_MOE_BLOCK_ONE_LAUNCH): its tests,
+#                                            # bench/moe_route_gate_up.py (--copies 8), b1 at 4k / 32k with it 0 / 1,
+#                                            # twice, then the one-row agreement with it on
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -125,7 +129,7 @@ export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across p
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|block-one-launch|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   setup) if [ ! -d /tmp/site/fla ]; then pip install -q --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl; fi
@@ -269,6 +273,15 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
       | tee "$OUT/pdl_prefetch_ab.txt"
     TANDEM_PDL=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 --tokens 128 \
       --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_pdl_prefetch.txt" ;;
+  block-one-launch) python -m pytest -q -p no:cacheprovider tests/kernels/test_moe_block_one_launch.py 2>&1 | tail -3 \
+      | tee "$OUT/gpu_tests_block_one_launch.txt"
+    python -m bench.moe_route_gate_up --out "$OUT/moe_block.json" 2>&1 | grep -v -i warn | tee "$OUT/moe_block.txt"
+    for i in 1 2; do for v in 0 1; do echo "== TANDEM_MOE_BLOCK_ONE_LAUNCH=$v, run $i"
+      TANDEM_MOE_BLOCK_ONE_LAUNCH=$v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
+        --out "$OUT/decode_timeline_block_one_launch_${v}_$i.json" 2>&1 | grep "a step"; done; done \
+      | tee "$OUT/block_one_launch_ab.txt"
+    TANDEM_MOE_BLOCK_ONE_LAUNCH=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 \
+      --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_block_one_launch.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \

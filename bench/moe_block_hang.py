@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             side.synchronize()
             print(
                 f"watchdog at {a.timeout - 10} s, launch {calls[0]}: counters "
-                f"(router ticket, routed count, flag, slots' words) {host.tolist()}",
+                "(router ticket, routed count, flag, slots' words, down ticket, slots' gate-up counts) "
+                f"{host.tolist()}",
                 flush=True,
             )
 

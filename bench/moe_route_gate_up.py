@@ -5,7 +5,9 @@ top-8 + the shared one, 1024 wide), random bf16 weights.
     python -m bench.moe_route_gate_up [--tokens 16] [--copies 8] [--out route_gate_up.json]      # GPU, ~1 min
 
 The fused launch twice: its routed programs told their experts by the flag (the default) and by the slot words
-(``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``).
+(``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``). Then the whole MoE block: that launch and the down
+launch with the combine + norm (``down_combine_norm``, the default) against the block in one launch
+(``route_gate_up_down_norm``, ``TANDEM_MOE_BLOCK_ONE_LAUNCH=1``).
 
 Each launch gets the next of ``--tokens`` different tokens, so each routes to other experts and their weights come
 from HBM. The router's weight, its bias and the shared expert rotate over ``--copies`` copies (default 8: ~85 MB
@@ -26,6 +28,7 @@ import torch
 from bench.graph_time import graph_us
 from bench.mid.roofline import copy_bandwidth
 from kernels.moe import route_gate_up as fused_module
+from kernels.moe.down_norm import down_combine_norm
 
 HID, E, INTER, TOP_K = 2304, 256, 1024, 8
 
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     biases = [0.1 * torch.randn(E, generator=gen, device=dev) for _ in range(a.copies)]
     # experts E .. E + copies - 1: the shared expert's copies (never routed: the routing picks among the first E)
     w13 = (torch.randn(E + a.copies, 2 * INTER, HID, generator=gen, device=dev) / HID**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E + a.copies, HID, INTER, generator=gen, device=dev) / INTER**0.5).to(torch.bfloat16)
+    residual = torch.randn(1, HID, generator=gen, device=dev).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(HID, generator=gen, device=dev)).to(torch.bfloat16)
     sync = torch.zeros(fused_module.SYNC_SIZE, dtype=torch.int32, device=dev)
     ticket = torch.zeros(1, dtype=torch.int32, device=dev)
 
@@ -68,11 +74,23 @@ def main(argv: list[str] | None = None) -> int:
         x, w, bias, shared = case(i)
         return two_launches(x, w, ticket, bias, w13, shared)
 
+    def block_two_launches(i: int) -> tuple[torch.Tensor, ...]:
+        weights, ids, rows = fused(i, False)
+        return down_combine_norm(rows, ids.reshape(-1), w2, weights, residual, norm_w, 1e-6, ticket)
+
+    def block_one_launch(i: int) -> tuple[torch.Tensor, ...]:
+        x, w, bias, shared = case(i)
+        return fused_module.route_gate_up_down_norm(
+            x, w, sync, bias, TOP_K, True, 2.446, w13, w2, residual, norm_w, 1e-6, extra_expert=shared
+        )
+
     for i in range(max(a.tokens, a.copies)):
         want = unfused(i)
         for slot_words in (False, True):
             if not all(torch.equal(g, t) for g, t in zip(fused(i, slot_words), want, strict=True)):
                 raise SystemExit(f"the fused launch (slot_words={slot_words}) differs from the two launches")
+        if not all(torch.equal(g, t) for g, t in zip(block_one_launch(i), block_two_launches(i), strict=True)):
+            raise SystemExit("the MoE block in one launch differs from its two launches")
     turn = [0]
 
     def next_case() -> int:
@@ -84,22 +102,25 @@ def main(argv: list[str] | None = None) -> int:
         "fused_flag_us": graph_us(lambda: fused(next_case(), False), calls),
         "fused_slot_words_us": graph_us(lambda: fused(next_case(), True), calls),
         "two_launches_us": graph_us(lambda: unfused(next_case()), calls),
+        "block_two_launches_us": graph_us(lambda: block_two_launches(next_case()), calls),
+        "block_one_launch_us": graph_us(lambda: block_one_launch(next_case()), calls),
         "copies": a.copies,
         "copy_tb_s": copy_bandwidth(dev)["bytes_per_s"] / 1e12,
     }
     if sync.any() or ticket.any():
         raise SystemExit(f"counters not back at 0: {sync.tolist()} {ticket.tolist()}")
     nbytes = (TOP_K + 1) * 2 * INTER * HID * 2 + E * HID * 2
+    block_bytes = nbytes + (TOP_K + 1) * HID * INTER * 2
     bw = res["copy_tb_s"] * 1e12
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     print(
-        f"{name}, copy {res['copy_tb_s']:.2f} TB/s, {nbytes / 1e6:.1f} MB a token, {a.copies} copies of the router "
-        "and the shared expert:",
+        f"{name}, copy {res['copy_tb_s']:.2f} TB/s, {nbytes / 1e6:.1f} MB a token (the block {block_bytes / 1e6:.1f} "
+        f"MB), {a.copies} copies of the router and the shared expert:",
         flush=True,
     )
-    for name in ("fused_flag", "fused_slot_words", "two_launches"):
+    for name in ("fused_flag", "fused_slot_words", "two_launches", "block_two_launches", "block_one_launch"):
         us = res[f"{name}_us"]
-        res[f"{name}_roofline"] = nbytes / (us * 1e-6) / bw
+        res[f"{name}_roofline"] = (block_bytes if name.startswith("block") else nbytes) / (us * 1e-6) / bw
         print(f"  {name:18s} {us:7.2f} us ({res[f'{name}_roofline']:.0%})", flush=True)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))

@@ -21,7 +21,7 @@ from kernels.moe.down_norm import down_combine_norm, moe_experts_decode_add_norm
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.route_fused import router_route
-from kernels.moe.route_gate_up import SYNC_SIZE, route_gate_up
+from kernels.moe.route_gate_up import SYNC_SIZE, route_gate_up, route_gate_up_down_norm
 from kernels.moe.router import router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.triton_utils import LaunchTicket, is_interpreting
@@ -81,8 +81,10 @@ class GPUMoEBackend(MoEBackend):
         self.down_norm = os.environ.get("TANDEM_MOE_DOWN_NORM", "1").strip() != "0"
         # the routing inside the gate-up launch at one token (with down_norm): b1 -20 us a step on the H200
         self.route_gate_up = os.environ.get("TANDEM_MOE_ROUTE_GATE_UP", "1").strip() != "0"
-        # its routed programs poll a word holding their expert instead of the flag (not yet run on a GPU)
+        # its routed programs poll a word holding their expert instead of the flag (b1 +7-9 us a step on an H100)
         self.route_slot_words = os.environ.get("TANDEM_MOE_ROUTE_SLOT_WORDS", "0").strip() == "1"
+        # the down programs in that launch too: the whole block one launch (not yet run on a GPU)
+        self.block_one_launch = os.environ.get("TANDEM_MOE_BLOCK_ONE_LAUNCH", "0").strip() == "1"
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -196,8 +198,9 @@ class GPUMoEBackend(MoEBackend):
         add_norm: AddNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token: the block in two launches, the routing inside the gate-up's (kernels/moe/route_gate_up.py)
-        and the combine + norm inside the down's. ``TANDEM_MOE_ROUTE_GATE_UP=0`` (or anything the fused launch does
-        not take): the routing's own launch, then ``experts_add_norm``."""
+        and the combine + norm inside the down's; with ``TANDEM_MOE_BLOCK_ONE_LAUNCH=1`` all of it in one launch
+        (``route_gate_up_down_norm``; the flag form only). ``TANDEM_MOE_ROUTE_GATE_UP=0`` (or anything the fused
+        launch does not take): the routing's own launch, then ``experts_add_norm``."""
         an, (_, _, w2, w13) = add_norm, experts
         fits = x.shape[0] == 1 and x.dtype == router_weight.dtype
         on = self.route_gate_up and self.down_norm and self.fused_route_rows > 0
@@ -205,6 +208,11 @@ class GPUMoEBackend(MoEBackend):
             try:
                 x_row = x if x.stride(1) == 1 else x.contiguous()
                 sync, ticket = self._sync.get(x.device), self._ticket.get(x.device)
+                if self.block_one_launch and not self.route_slot_words:
+                    return route_gate_up_down_norm(
+                        x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, w2,
+                        an.residual, an.weight, an.eps, extra_expert,
+                    )  # fmt: skip
                 weights, ids, a = route_gate_up(
                     x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert,
                     slot_words=self.route_slot_words,

@@ -139,25 +139,40 @@ def down_program(
     """This program's (expert, BLOCK_N columns of H) of the down GEMM: streams the expert's down rows over I."""
     e, start, end = _expert_of_program(ENDS, IDS, POS, COMPACT, PAIR_ROWS)
     if start >= 0:
-        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_n = o_n < H
-        w = W2 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
-        for m0 in range(start, end, BLOCK_M):
-            o_m = m0 + tl.arange(0, BLOCK_M)
-            m_m = o_m < end
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K):
-                o_k = k0 + tl.arange(0, BLOCK_K)
-                m_k = o_k < INTER
-                a = tl.load(
-                    A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :],
-                    mask=m_m[:, None] & m_k[None, :],
-                    other=0.0,
-                )
-                b = tl.load(w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-                acc += mm(a, tl.trans(b), DOT_F32, PREC)
-            p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
-            tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+        down_rows(
+            A, W2, Y, e, start, end, tl.program_id(1), H, INTER, stride_a, stride_we, stride_wn, stride_y,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, "",
+        )  # fmt: skip
+
+
+@triton.jit
+def down_rows(
+    A, W2, Y, e, start, end, i_n, H, INTER, stride_a, stride_we, stride_wn, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+    A_CACHE: tl.constexpr,
+):  # fmt: skip
+    """Expert e's rows [start, end) of A, columns block ``i_n`` of H, into Y. A_CACHE: A's load cache modifier
+    (".cg" where other programs of the same launch wrote A: kernels/moe/route_gate_up.py's down programs)."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    w = W2 + e.to(tl.int64) * stride_we + o_n[:, None].to(tl.int64) * stride_wn
+    for m0 in range(start, end, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < end
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < INTER
+            a = tl.load(
+                A + o_m[:, None].to(tl.int64) * stride_a + o_k[None, :],
+                mask=m_m[:, None] & m_k[None, :],
+                other=0.0,
+                cache_modifier=A_CACHE,
+            )
+            b = tl.load(w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            acc += mm(a, tl.trans(b), DOT_F32, PREC)
+        p_y = Y + o_m[:, None].to(tl.int64) * stride_y + o_n[None, :]
+        tl.store(p_y, acc.to(Y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
 @triton.jit

@@ -13,6 +13,15 @@ programs never wait and come first in the grid: the GPU dispatches a grid's bloc
 index (what CUB's single-pass scan and CUTLASS's stream-K fix-up also rely on), so they are running or done
 before any waiter holds an SM.
 
+The whole block in one launch (``route_gate_up_down_norm``, ``TANDEM_MOE_BLOCK_ONE_LAUNCH=1``; off until timed on
+a GPU): the down programs (a slot x a block of H's columns, ``down_rows``) come after every gate-up program. Each
+gate-up program counts its slot once its rows of A are stored (release); a slot's down programs wait for the
+count to reach the slot's column blocks (acquire), read A past L1 and stream their expert's down rows, the shared
+expert's first: its rows need no routing, so its down weights stream while the router runs. The last down
+program runs the combine + residual add + next norm (``combine_add_norm_row``), as ``down_combine_norm``'s does.
+The down launch's ramp leaves the step, and a slot's down starts when its rows are ready, not when every slot's
+are.
+
 How a routed program learns its expert, two ways (``slot_words``):
 - the flag (the default: the faster form in a decode step, docs/PERFORMANCE.md, thirty-seventh session): the
   routing's last program raises one flag (release); a waiter polls it, then an acquire, a barrier and a load of
@@ -41,19 +50,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.decode import decode_tiles, gate_up_rows, launch_gate_up
+from kernels.moe.combine_norm import combine_add_norm_row
+from kernels.moe.decode import decode_tiles, down_rows, gate_up_rows, launch_gate_up
 from kernels.moe.route_fused import router_route
 from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
 from kernels.moe.tiles import GemmTiles
 from kernels.moe.triton import check_route_args, route_rows, route_tiles
 from kernels.pdl import pdl_enter, pdl_kwargs
-from kernels.triton_utils import check_device, dot_config
+from kernels.triton_utils import check_device, dot_config, next_pow2
 
 MAX_ROUTED = 16
 """Routed experts a token at most with ``slot_words``: one word each in ``SYNC``."""
-SYNC_SIZE = 3 + MAX_ROUTED
+DOWN_TICKET = 3 + MAX_ROUTED
+SLOT_DONE = DOWN_TICKET + 1
+SYNC_SIZE = SLOT_DONE + MAX_ROUTED + 1
 """int32 words of a launch's counters: the router's ticket, the routed programs' count, the flag, a routed slot's
-word (``slot_words``)."""
+word (``slot_words``), then the down programs' ticket and a count of each slot's finished gate-up programs (the
+down programs in the launch, ``route_gate_up_down_norm``)."""
 
 
 @triton.jit
@@ -67,6 +80,12 @@ def _route_gate_up_kernel(
     ID_OUT,  # [1, OUT_K] int64
     W13,  # [E (+1), 2I, H]
     A,  # [OUT_K, I] out: silu(gate) * up, pair order
+    W2,  # [E (+1), H, I] (WITH_DOWN, as the rest of this block)
+    Y,  # [OUT_K, H] expert outputs (scratch), pair order
+    RESIDUAL,  # [1, H]
+    NORM_W,  # [H]
+    OUT,  # [1, H] the next norm's output
+    RES_OUT,  # [1, H] residual + the combine's output
     E,
     H,
     INTER,
@@ -78,6 +97,10 @@ def _route_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_a,
+    stride_w2e,
+    stride_w2n,
+    stride_y,
+    eps,
     N_ROUTER: tl.constexpr,  # the router's programs: expert blocks x splits
     E_BLOCKS: tl.constexpr,
     N_COLS: tl.constexpr,  # column blocks of I a slot
@@ -100,6 +123,12 @@ def _route_gate_up_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     SLOT_WORDS: tl.constexpr,  # each routed slot polls a word holding its expert, not the flag
+    WITH_DOWN: tl.constexpr,  # the down programs after the gate-up's, the combine + norm by the last of them
+    N_DCOLS: tl.constexpr,  # column blocks of H a slot's down
+    OUT_SLOTS: tl.constexpr,  # next power of two >= OUT_K
+    BLOCK_H: tl.constexpr,  # >= H
+    DOWN_TICKET: tl.constexpr,  # SYNC's words of the down programs (the module's constants)
+    SLOT_DONE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -129,7 +158,7 @@ def _route_gate_up_kernel(
                 tl.debug_barrier()  # the routing's stores before the flag's release
                 tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(SYNC + 2, 1, sem="release", scope="gpu")
-    else:
+    elif pid < N_ROUTER + OUT_K * N_COLS:
         g = pid - N_ROUTER
         slot = (g // N_COLS + OUT_K - 1) % OUT_K if OUT_K > TOP_K else g // N_COLS  # the shared expert's first
         if slot == TOP_K:  # the shared expert: its id is the host's
@@ -153,12 +182,42 @@ def _route_gate_up_kernel(
             X, X, W13, A, e, slot, slot + 1, g % N_COLS, H, INTER, up_offset, stride_x, stride_we, stride_wn,
             stride_a, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, True,
         )  # fmt: skip
+        if WITH_DOWN:  # this slot's down programs wait for all N_COLS of these (release: the rows come first)
+            tl.debug_barrier()
+            tl.atomic_add(SYNC + SLOT_DONE + slot, 1, sem="release", scope="gpu")
         if SLOT_WORDS and slot != TOP_K:  # counted after its rows: the last one puts the words back to 0
             seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
             if seen == routed - 1:
                 slots = tl.arange(0, SLOTS)
                 tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(SYNC + 3 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
+    elif WITH_DOWN:
+        d = pid - N_ROUTER - OUT_K * N_COLS
+        slot = (d // N_DCOLS + OUT_K - 1) % OUT_K if OUT_K > TOP_K else d // N_DCOLS  # the shared expert's first
+        while tl.load(SYNC + SLOT_DONE + slot, volatile=True) < N_COLS:
+            pass
+        tl.atomic_add(SYNC + SLOT_DONE + slot, 0, sem="acquire", scope="gpu")  # the slot's rows (and its routing)
+        tl.debug_barrier()
+        if slot == TOP_K:  # the shared expert: the host's id (the routing may still run)
+            e = extra_id.to(tl.int32)
+        else:
+            e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)
+        down_rows(
+            A, W2, Y, e, slot, slot + 1, d % N_DCOLS, H, INTER, stride_a, stride_w2e, stride_w2n, stride_y,
+            BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, ".cg",
+        )  # fmt: skip
+        # every thread's stores of Y come before the ticket's release (the one-thread atomic after the barrier)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(SYNC + DOWN_TICKET, 1, sem="acq_rel", scope="gpu")
+        if ticket == OUT_K * N_DCOLS - 1:  # the last down program: every expert output and the routing are stored
+            tl.debug_barrier()
+            combine_add_norm_row(
+                Y, ID_OUT, W_OUT, RESIDUAL, NORM_W, OUT, RES_OUT, 0, H, eps, stride_y, 0, 0, 0, OUT_K, True,
+                BLOCK_H, ".cg",
+            )  # fmt: skip
+            slots = tl.arange(0, OUT_SLOTS)
+            tl.atomic_xchg(SYNC + SLOT_DONE + slots, 0, mask=slots < OUT_K, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(SYNC + DOWN_TICKET, 0, sem="relaxed", scope="gpu")
 
 
 def route_gate_up(
@@ -179,6 +238,66 @@ def route_gate_up(
     H]) in one launch -> (weights [1, k (+1)] fp32, ids [1, k (+1)] int64, silu(gate) * up [k (+1), I] in pair
     order: what ``kernels/moe/down_norm.down_combine_norm`` takes). sync: int32 [SYNC_SIZE] at 0
     (``LaunchTicket(SYNC_SIZE)``); slot_words: how the routed programs learn their experts (the module's doc)."""
+    _check_args(x, router_weight, sync, correction_bias, top_k, w13, extra_expert, split, slot_words)
+    weights, ids, a, _ = _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13,
+                                 extra_expert, gate_up, split, slot_words, None)  # fmt: skip
+    return weights, ids, a
+
+
+def route_gate_up_down_norm(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    sync: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling_factor: float,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    extra_expert: int | None = None,
+    tiles: GemmTiles | None = None,
+    split: int = SPLIT_K,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole one-token MoE block in one launch: ``route_gate_up`` (the flag form), then each slot's down
+    programs (w2 [E (+1), H, I]), which wait inside the launch for that slot's gate-up programs, and the combine +
+    residual add + next norm by the last of them -> (the norm's output [1, H] in x's dtype, residual [1, H] + the
+    combine's output in the residual's dtype): ``down_combine_norm`` on ``route_gate_up``'s outputs, bit for bit.
+    The down programs come after every gate-up program in the grid, so they wait only on programs dispatched
+    before them; the shared expert's first, as its rows need no routing. tiles: both GEMMs' (``decode_tiles(1)``,
+    which gives gate-up and down the same)."""
+    _check_args(x, router_weight, sync, correction_bias, top_k, w13, extra_expert, split, True)
+    h, i = x.shape[1], w13.shape[1] // 2
+    check_device("route_gate_up_down_norm", w2, residual, norm_weight)
+    experts = router_weight.shape[0] if extra_expert is None else extra_expert + 1
+    if w2.ndim != 3 or w2.shape[1:] != (h, i) or w2.shape[0] < experts or w2.stride(2) != 1 or w2.dtype != x.dtype:
+        raise ValueError(
+            f"w2 must be [>= {experts}, {h}, {i}] {x.dtype} with a unit stride on I, got {w2.dtype} {tuple(w2.shape)}"
+        )
+    if residual.shape != (1, h) or norm_weight.shape != (h,):
+        raise ValueError(f"residual [1, {h}] and norm_weight [{h}], got {tuple(residual.shape)} and "
+                         f"{tuple(norm_weight.shape)}")  # fmt: skip
+    down = dict(w2=w2, residual=residual if residual.stride(1) == 1 else residual.contiguous(),
+                norm_weight=norm_weight.contiguous(), eps=float(eps))  # fmt: skip
+    _, _, _, (out, res_out) = _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor,
+                                      w13, extra_expert, tiles, split, False, down)  # fmt: skip
+    return out, res_out
+
+
+def _check_args(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    sync: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    w13: torch.Tensor,
+    extra_expert: int | None,
+    split: int,
+    slot_bound: bool,
+) -> None:
+    """The launch's arguments; slot_bound: the slot words or the down programs, a word of ``SYNC`` a slot."""
     check_router_args("route_gate_up", x, router_weight, split)
     check_device("route_gate_up", w13, sync)
     e, h = router_weight.shape
@@ -191,36 +310,53 @@ def route_gate_up(
         )
     if w13.shape[0] < (e if extra_expert is None else extra_expert + 1):
         raise ValueError(f"w13 holds {w13.shape[0]} experts: too few for {e} routed and extra expert {extra_expert}")
-    if slot_words and top_k > MAX_ROUTED:
+    if slot_bound and top_k > MAX_ROUTED:
         raise ValueError(f"route_gate_up's slot words hold at most {MAX_ROUTED} experts a token, got top_k {top_k}")
     if sync.shape != (SYNC_SIZE,) or sync.dtype != torch.int32:
         raise ValueError(
             f"sync must be an int32 [{SYNC_SIZE}] (LaunchTicket(SYNC_SIZE)), got {sync.dtype} {tuple(sync.shape)}"
         )
+
+
+def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert, tiles,
+            split, slot_words, down):  # fmt: skip
+    """One launch of the kernel, its arguments checked -> (weights, ids, a, (the norm's output, the new residual)
+    with ``down``, else None)."""
+    e, h = router_weight.shape
     i = w13.shape[1] // 2
     out_k = top_k + (extra_expert is not None)
-    gu = gate_up or decode_tiles(1)[0]
+    gu = tiles or decode_tiles(1)[0]
     n_split = triton.cdiv(h, split)
     e_blocks = triton.cdiv(e, BLOCK_E)
     n_cols = triton.cdiv(i, gu.block_n)
+    n_dcols = triton.cdiv(h, gu.block_n) if down else 0
     partials = torch.empty(n_split, 1, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(1, out_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, out_k, dtype=torch.int64, device=x.device)
     a = torch.empty(out_k, i, dtype=x.dtype, device=x.device)
+    if down:
+        w2, res, nw, eps = down["w2"], down["residual"], down["norm_weight"], down["eps"]
+        y = torch.empty(out_k, h, dtype=x.dtype, device=x.device)
+        outs = (torch.empty(1, h, dtype=x.dtype, device=x.device), torch.empty(1, h, dtype=res.dtype, device=x.device))
+    else:  # placeholders, never read
+        w2, res, nw, eps, y, outs = a, a, a, 0.0, a, (a, a)
     rt = router_tiles(1, split, x.dtype)
-    _route_gate_up_kernel[(e_blocks * n_split + out_k * n_cols,)](
+    _route_gate_up_kernel[(e_blocks * n_split + out_k * (n_cols + n_dcols),)](
         x, router_weight, partials, sync, correction_bias.contiguous() if correction_bias is not None else partials,
-        weights, ids, w13, a, e, h, i, x.stride(0), router_weight.stride(0), float(scaling_factor),
-        -1 if extra_expert is None else int(extra_expert), i * w13.stride(1), w13.stride(0), w13.stride(1),
-        a.stride(0), N_ROUTER=e_blocks * n_split, E_BLOCKS=e_blocks, N_COLS=n_cols, SPLIT=split, SPLITS=n_split,
+        weights, ids, w13, a, w2, y, res, nw, outs[0], outs[1], e, h, i, x.stride(0), router_weight.stride(0),
+        float(scaling_factor), -1 if extra_expert is None else int(extra_expert), i * w13.stride(1), w13.stride(0),
+        w13.stride(1), a.stride(0), w2.stride(0) if down else 0, w2.stride(1) if down else 0, y.stride(0), eps,
+        N_ROUTER=e_blocks * n_split, E_BLOCKS=e_blocks, N_COLS=n_cols, SPLIT=split, SPLITS=n_split,
         BLOCK_T=rt["BLOCK_T"], BLOCK_E=rt["BLOCK_E"], BLOCK_KR=rt["BLOCK_K"], TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), OUT_K=out_k,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize,
         **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, num_warps=gu.num_warps,
-        num_stages=gu.num_stages, **pdl_kwargs(x, "moe.router_route"),
+        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, WITH_DOWN=bool(down),
+        N_DCOLS=max(n_dcols, 1), OUT_SLOTS=triton.next_power_of_2(out_k), BLOCK_H=next_pow2(h) if down else 1,
+        DOWN_TICKET=DOWN_TICKET, SLOT_DONE=SLOT_DONE, num_warps=gu.num_warps, num_stages=gu.num_stages,
+        **pdl_kwargs(x, "moe.router_route"),
     )  # fmt: skip
-    return weights, ids, a
+    return weights, ids, a, (outs if down else None)
 
 
 def route_then_gate_up(
@@ -247,4 +383,4 @@ def route_then_gate_up(
     return weights, ids, a
 
 
-__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up", "route_then_gate_up"]
+__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up", "route_gate_up_down_norm", "route_then_gate_up"]

@@ -1,6 +1,6 @@
 """bench/moe_route_gate_up.py's code path on the host at small shapes (interpreted kernels; timing stubbed): both
-forms of the fused launch checked against the two launches, every row of the report written; a fused launch
-that differs stops the bench."""
+forms of the fused launch checked against the two launches, the MoE block in one launch against its two, every row
+of the report written; a fused launch that differs stops the bench."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ def small(monkeypatch):
 
 
 @pytest.mark.usefixtures("small")
-def test_reports_both_forms_and_the_two_launches(tmp_path):
+def test_reports_both_forms_the_two_launches_and_the_block(tmp_path):
     out = tmp_path / "r.json"
     assert bench.main(["--device", "cpu", "--tokens", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    for name in ("fused_flag", "fused_slot_words", "two_launches"):
+    for name in ("fused_flag", "fused_slot_words", "two_launches", "block_two_launches", "block_one_launch"):
         assert res[f"{name}_us"] == 2.0 and res[f"{name}_roofline"] > 0
 
 
@@ -59,3 +59,16 @@ def test_the_router_and_the_shared_expert_rotate_over_their_copies(monkeypatch):
     assert len({ptr for ptr, _ in seen}) == 3
     with pytest.raises(SystemExit, match="--copies must be >= 1"):
         bench.main(["--device", "cpu", "--copies", "0"])
+
+
+@pytest.mark.usefixtures("small")
+def test_a_one_launch_block_that_differs_stops_it(monkeypatch):
+    real = bench.fused_module.route_gate_up_down_norm
+
+    def other_norm(*args, **kw):
+        out, res = real(*args, **kw)
+        return out + 1, res
+
+    monkeypatch.setattr(bench.fused_module, "route_gate_up_down_norm", other_norm)
+    with pytest.raises(SystemExit, match="block in one launch differs"):
+        bench.main(["--device", "cpu", "--tokens", "1"])
