@@ -22,14 +22,14 @@ def weighted_expert_sum(
     Y, ROWS, W, t, cols, m, stride_y, TOP_K: tl.constexpr, PAIR_ORDER: tl.constexpr, CACHE: tl.constexpr
 ):
     """Token t's k expert outputs at ``cols``, weighted and summed in fp32 (rows from ROWS, or pair order).
-    CACHE: Y's load cache modifier (".cg" where other programs of the same launch wrote Y: past L1)."""
+    CACHE: Y's and W's load cache modifier (".cg" where other programs of the same launch wrote them: past L1)."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         if PAIR_ORDER:
             row = t * TOP_K + s
         else:
             row = tl.load(ROWS + t * TOP_K + s)
-        w = tl.load(W + t * TOP_K + s).to(tl.float32)
+        w = tl.load(W + t * TOP_K + s, cache_modifier=CACHE).to(tl.float32)
         acc += w * tl.load(Y + row * stride_y + cols, mask=m, other=0.0, cache_modifier=CACHE).to(tl.float32)
     return acc
 
