@@ -15,14 +15,13 @@ from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
 from tests.kernels.sm90_compile import compile_errors, ptx_of, record_launches
+from tests.kernels.test_moe_route_gate_up import _inputs as route_gate_up_inputs
 
 
 def _inputs(h: int, e: int, i: int, extra: bool, dtype: torch.dtype, seed: int, device=DEVICE):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(1, h, generator=gen, device=device).to(dtype)
-    w = (torch.randn(e, h, generator=gen, device=device) / h**0.5).to(dtype)
-    bias = 0.1 * torch.randn(e, generator=gen, device=device)
-    w13 = (torch.randn(e + extra, 2 * i, h, generator=gen, device=device) / h**0.5).to(dtype)
+    """The route + gate-up launch's inputs, then the down's: w2, the residual, the next norm's weight."""
+    x, w, bias, w13 = route_gate_up_inputs(h, e, i, extra, dtype, seed, device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
     w2 = (torch.randn(e + extra, h, i, generator=gen, device=device) / i**0.5).to(dtype)
     residual = torch.randn(1, h, generator=gen, device=device).to(dtype)
     norm_w = (1 + 0.1 * torch.randn(h, generator=gen, device=device)).to(dtype)
