@@ -46,6 +46,8 @@ counter at 0 before and after each launch, graph steps run).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,17 @@ SYNC_SIZE = SLOT_DONE + MAX_ROUTED + 1
 """int32 words of a launch's counters: the router's ticket, the routed programs' count, the flag, a routed slot's
 word (``slot_words``), then the down programs' ticket and a count of each slot's finished gate-up programs (the
 down programs in the launch, ``route_gate_up_down_norm``)."""
+
+
+@dataclass(frozen=True)
+class DownNorm:
+    """What the one-launch block's down programs take (``route_gate_up_down_norm``): the down weights and the next
+    norm after the combine, checked against the launch's shapes."""
+
+    w2: torch.Tensor  # [E (+1), H, I]
+    residual: torch.Tensor  # [1, H], unit column stride
+    norm_weight: torch.Tensor  # [H], contiguous
+    eps: float
 
 
 @triton.jit
@@ -279,8 +292,8 @@ def route_gate_up_down_norm(
     if residual.shape != (1, h) or norm_weight.shape != (h,):
         raise ValueError(f"residual [1, {h}] and norm_weight [{h}], got {tuple(residual.shape)} and "
                          f"{tuple(norm_weight.shape)}")  # fmt: skip
-    down = dict(w2=w2, residual=residual if residual.stride(1) == 1 else residual.contiguous(),
-                norm_weight=norm_weight.contiguous(), eps=float(eps))  # fmt: skip
+    down = DownNorm(w2, residual if residual.stride(1) == 1 else residual.contiguous(), norm_weight.contiguous(),
+                    float(eps))  # fmt: skip
     _, _, _, (out, res_out) = _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor,
                                       w13, extra_expert, tiles, split, False, down)  # fmt: skip
     return out, res_out
@@ -319,7 +332,7 @@ def _check_args(
 
 
 def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert, tiles,
-            split, slot_words, down):  # fmt: skip
+            split, slot_words, down: DownNorm | None):  # fmt: skip
     """One launch of the kernel, its arguments checked -> (weights, ids, a, (the norm's output, the new residual)
     with ``down``, else None)."""
     e, h = router_weight.shape
@@ -329,13 +342,13 @@ def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling
     n_split = triton.cdiv(h, split)
     e_blocks = triton.cdiv(e, BLOCK_E)
     n_cols = triton.cdiv(i, gu.block_n)
-    n_dcols = triton.cdiv(h, gu.block_n) if down else 0
+    n_dcols = triton.cdiv(h, gu.block_n) if down is not None else 0
     partials = torch.empty(n_split, 1, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(1, out_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(1, out_k, dtype=torch.int64, device=x.device)
     a = torch.empty(out_k, i, dtype=x.dtype, device=x.device)
-    if down:
-        w2, res, nw, eps = down["w2"], down["residual"], down["norm_weight"], down["eps"]
+    if down is not None:
+        w2, res, nw, eps = down.w2, down.residual, down.norm_weight, down.eps
         y = torch.empty(out_k, h, dtype=x.dtype, device=x.device)
         outs = (torch.empty(1, h, dtype=x.dtype, device=x.device), torch.empty(1, h, dtype=res.dtype, device=x.device))
     else:  # placeholders, never read
@@ -345,18 +358,18 @@ def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling
         x, router_weight, partials, sync, correction_bias.contiguous() if correction_bias is not None else partials,
         weights, ids, w13, a, w2, y, res, nw, outs[0], outs[1], e, h, i, x.stride(0), router_weight.stride(0),
         float(scaling_factor), -1 if extra_expert is None else int(extra_expert), i * w13.stride(1), w13.stride(0),
-        w13.stride(1), a.stride(0), w2.stride(0) if down else 0, w2.stride(1) if down else 0, y.stride(0), eps,
+        w13.stride(1), a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), eps,
         N_ROUTER=e_blocks * n_split, E_BLOCKS=e_blocks, N_COLS=n_cols, SPLIT=split, SPLITS=n_split,
         BLOCK_T=rt["BLOCK_T"], BLOCK_E=rt["BLOCK_E"], BLOCK_KR=rt["BLOCK_K"], TOP_K=top_k,
         SLOTS=triton.next_power_of_2(top_k), OUT_K=out_k,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize,
         **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, WITH_DOWN=bool(down),
-        N_DCOLS=max(n_dcols, 1), OUT_SLOTS=triton.next_power_of_2(out_k), BLOCK_H=next_pow2(h) if down else 1,
+        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, WITH_DOWN=n_dcols > 0,
+        N_DCOLS=max(n_dcols, 1), OUT_SLOTS=triton.next_power_of_2(out_k), BLOCK_H=next_pow2(h) if n_dcols else 1,
         DOWN_TICKET=DOWN_TICKET, SLOT_DONE=SLOT_DONE, num_warps=gu.num_warps, num_stages=gu.num_stages,
         **pdl_kwargs(x, "moe.router_route"),
     )  # fmt: skip
-    return weights, ids, a, (outs if down else None)
+    return weights, ids, a, (outs if down is not None else None)
 
 
 def route_then_gate_up(
