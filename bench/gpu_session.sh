@@ -4,7 +4,7 @@
 #   bash bench/gpu_session.sh setup          # a fresh machine, first: fla-core from the carried wheels (WHEELS, default
 #                                            # .whl) into /tmp/site, FlashMLA built from the carried .flashmla_src into
 #                                            # /tmp/fbuild and the Kimi mid checkpoint written, the two in parallel
-#                                            # (~2 min); then export the TANDEM_FLASHMLA_SO it prints for every step
+#                                            # (~2 min); every later step takes that build (TANDEM_FLASHMLA_SO unset)
 #   bash bench/gpu_session.sh mid-tandem     # 1 x H200: ceilings, Tandem prefill/decode, breakdown, overhead, graphs
 #   bash bench/gpu_session.sh mid-hf         # 1 x H200: the same workloads through HF KimiLinearForCausalLM
 #   bash bench/gpu_session.sh par-kimi-a     # 2 x H200: Kimi mid, one GPU (all workloads) + pcp=2
@@ -128,6 +128,10 @@ export TANDEM_KERNEL_FALLBACK=0  # a failed fast path raises: never time a fallb
 export TRITON_CACHE_AUTOTUNING=1  # keep fla's autotune results on disk across processes (Triton >= 3.2)
 OUT="${OUT:-/tmp/tandem-bench-out}"
 mkdir -p "$OUT"
+# the setup step's FlashMLA build, unless another is named: a step without it silently times the Triton MLA decode
+if [ -z "${TANDEM_FLASHMLA_SO:-}" ] && [ -f /tmp/fbuild/tandem_flashmla.so ]; then
+  export TANDEM_FLASHMLA_SO=/tmp/fbuild/tandem_flashmla.so
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|block-one-launch|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
