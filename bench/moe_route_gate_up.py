@@ -31,6 +31,13 @@ from kernels.moe import route_gate_up as fused_module
 from kernels.moe.down_norm import down_combine_norm
 
 HID, E, INTER, TOP_K = 2304, 256, 1024, 8
+BLOCK_WAITS = {  # the one-launch block's down programs: (ns between polls, their rows into L2 before the wait)
+    "block_one_launch": (0, False),
+    "block_one_launch_poll100": (100, False),
+    "block_one_launch_poll500": (500, False),
+    "block_one_launch_prefetch": (0, True),
+    "block_one_launch_prefetch_poll500": (500, True),
+}
 
 
 def two_launches(x, w, ticket, bias, w13, shared):
@@ -78,19 +85,22 @@ def main(argv: list[str] | None = None) -> int:
         weights, ids, rows = fused(i, False)
         return down_combine_norm(rows, ids.reshape(-1), w2, weights, residual, norm_w, 1e-6, ticket)
 
-    def block_one_launch(i: int) -> tuple[torch.Tensor, ...]:
+    def block_one_launch(i: int, poll_ns: int = 0, prefetch: bool = False) -> tuple[torch.Tensor, ...]:
         x, w, bias, shared = case(i)
         return fused_module.route_gate_up_down_norm(
-            x, w, sync, bias, TOP_K, True, 2.446, w13, w2, residual, norm_w, 1e-6, extra_expert=shared
-        )
+            x, w, sync, bias, TOP_K, True, 2.446, w13, w2, residual, norm_w, 1e-6, extra_expert=shared,
+            poll_ns=poll_ns, prefetch=prefetch,
+        )  # fmt: skip
 
     for i in range(max(a.tokens, a.copies)):
         want = unfused(i)
         for slot_words in (False, True):
             if not all(torch.equal(g, t) for g, t in zip(fused(i, slot_words), want, strict=True)):
                 raise SystemExit(f"the fused launch (slot_words={slot_words}) differs from the two launches")
-        if not all(torch.equal(g, t) for g, t in zip(block_one_launch(i), block_two_launches(i), strict=True)):
-            raise SystemExit("the MoE block in one launch differs from its two launches")
+        for poll_ns, prefetch in BLOCK_WAITS.values():
+            got = block_one_launch(i, poll_ns, prefetch)
+            if not all(torch.equal(g, t) for g, t in zip(got, block_two_launches(i), strict=True)):
+                raise SystemExit(f"the MoE block in one launch differs ({poll_ns} ns polls, prefetch {prefetch})")
     turn = [0]
 
     def next_case() -> int:
@@ -103,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         "fused_slot_words_us": graph_us(lambda: fused(next_case(), True), calls),
         "two_launches_us": graph_us(lambda: unfused(next_case()), calls),
         "block_two_launches_us": graph_us(lambda: block_two_launches(next_case()), calls),
-        "block_one_launch_us": graph_us(lambda: block_one_launch(next_case()), calls),
+        **{
+            f"{name}_us": graph_us(lambda wait=wait: block_one_launch(next_case(), *wait), calls)
+            for name, wait in BLOCK_WAITS.items()
+        },
         "copies": a.copies,
         "copy_tb_s": copy_bandwidth(dev)["bytes_per_s"] / 1e12,
     }
@@ -118,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         f"MB), {a.copies} copies of the router and the shared expert:",
         flush=True,
     )
-    for name in ("fused_flag", "fused_slot_words", "two_launches", "block_two_launches", "block_one_launch"):
+    for name in ("fused_flag", "fused_slot_words", "two_launches", "block_two_launches", *BLOCK_WAITS):
         us = res[f"{name}_us"]
         res[f"{name}_roofline"] = (block_bytes if name.startswith("block") else nbytes) / (us * 1e-6) / bw
-        print(f"  {name:18s} {us:7.2f} us ({res[f'{name}_roofline']:.0%})", flush=True)
+        print(f"  {name:34s} {us:7.2f} us ({res[f'{name}_roofline']:.0%})", flush=True)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
     return 0

@@ -46,14 +46,12 @@ counter at 0 before and after each launch, graph steps run).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.combine_norm import combine_add_norm_row
-from kernels.moe.decode import decode_tiles, down_rows, gate_up_rows, launch_gate_up
+from kernels.moe.block_down import DownNorm, block_down_program, wait_options
+from kernels.moe.decode import decode_tiles, gate_up_rows, launch_gate_up
 from kernels.moe.route_fused import router_route
 from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
 from kernels.moe.tiles import GemmTiles
@@ -69,17 +67,6 @@ SYNC_SIZE = SLOT_DONE + MAX_ROUTED + 1
 """int32 words of a launch's counters: the router's ticket, the routed programs' count, the flag, a routed slot's
 word (``slot_words``), then the down programs' ticket and a count of each slot's finished gate-up programs (the
 down programs in the launch, ``route_gate_up_down_norm``)."""
-
-
-@dataclass(frozen=True)
-class DownNorm:
-    """What the one-launch block's down programs take (``route_gate_up_down_norm``): the down weights and the next
-    norm after the combine, checked against the launch's shapes."""
-
-    w2: torch.Tensor  # [E (+1), H, I]
-    residual: torch.Tensor  # [1, H], unit column stride
-    norm_weight: torch.Tensor  # [H], contiguous
-    eps: float
 
 
 @triton.jit
@@ -142,6 +129,8 @@ def _route_gate_up_kernel(
     BLOCK_H: tl.constexpr,  # >= H
     DOWN_TICKET: tl.constexpr,  # SYNC's words of the down programs (the module's constants)
     SLOT_DONE: tl.constexpr,
+    POLL_NS: tl.constexpr,  # the down programs' sleep between polls (block_down.py)
+    PREFETCH_LANES: tl.constexpr,  # > 0: the down programs ask their rows into L2 before they wait
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -168,6 +157,11 @@ def _route_gate_up_kernel(
                 words = SYNC + 3 + tl.zeros([ROUTE_BLOCK_T, ROUTE_BLOCK_K], dtype=tl.int32) + o_k[None, :]
                 tl.atomic_xchg(words, ids + 1, mask=m_w, sem="release", scope="gpu")
             else:
+                if PREFETCH_LANES > 0:  # the down programs' early copy of each routed slot's expert (block_down.py)
+                    o_k = tl.arange(0, ROUTE_BLOCK_K)
+                    m_w = (tl.arange(0, ROUTE_BLOCK_T) == 0)[:, None] & (o_k < TOP_K)[None, :]
+                    words = SYNC + 3 + tl.zeros([ROUTE_BLOCK_T, ROUTE_BLOCK_K], dtype=tl.int32) + o_k[None, :]
+                    tl.atomic_xchg(words, ids + 1, mask=m_w, sem="relaxed", scope="gpu")
                 tl.debug_barrier()  # the routing's stores before the flag's release
                 tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(SYNC + 2, 1, sem="release", scope="gpu")
@@ -205,32 +199,11 @@ def _route_gate_up_kernel(
                 tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(SYNC + 3 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
     elif WITH_DOWN:
-        d = pid - N_ROUTER - OUT_K * N_COLS
-        slot = (d // N_DCOLS + OUT_K - 1) % OUT_K if OUT_K > TOP_K else d // N_DCOLS  # the shared expert's first
-        while tl.load(SYNC + SLOT_DONE + slot, volatile=True) < N_COLS:
-            pass
-        tl.atomic_add(SYNC + SLOT_DONE + slot, 0, sem="acquire", scope="gpu")  # the slot's rows (and its routing)
-        tl.debug_barrier()
-        if slot == TOP_K:  # the shared expert: the host's id (the routing may still run)
-            e = extra_id.to(tl.int32)
-        else:
-            e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)
-        down_rows(
-            A, W2, Y, e, slot, slot + 1, d % N_DCOLS, H, INTER, stride_a, stride_w2e, stride_w2n, stride_y,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, ".cg",
+        block_down_program(
+            pid - N_ROUTER - OUT_K * N_COLS, A, W2, Y, SYNC, ID_OUT, W_OUT, RESIDUAL, NORM_W, OUT, RES_OUT, extra_id,
+            H, INTER, stride_a, stride_w2e, stride_w2n, stride_y, eps, N_COLS, N_DCOLS, TOP_K, OUT_K, OUT_SLOTS,
+            BLOCK_H, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, DOWN_TICKET, SLOT_DONE, POLL_NS, PREFETCH_LANES,
         )  # fmt: skip
-        # every thread's stores of Y come before the ticket's release (the one-thread atomic after the barrier)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(SYNC + DOWN_TICKET, 1, sem="acq_rel", scope="gpu")
-        if ticket == OUT_K * N_DCOLS - 1:  # the last down program: every expert output and the routing are stored
-            tl.debug_barrier()
-            combine_add_norm_row(
-                Y, ID_OUT, W_OUT, RESIDUAL, NORM_W, OUT, RES_OUT, 0, H, eps, stride_y, 0, 0, 0, OUT_K, True,
-                BLOCK_H, ".cg",
-            )  # fmt: skip
-            slots = tl.arange(0, OUT_SLOTS)
-            tl.atomic_xchg(SYNC + SLOT_DONE + slots, 0, mask=slots < OUT_K, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + DOWN_TICKET, 0, sem="relaxed", scope="gpu")
 
 
 def route_gate_up(
@@ -273,6 +246,8 @@ def route_gate_up_down_norm(
     extra_expert: int | None = None,
     tiles: GemmTiles | None = None,
     split: int = SPLIT_K,
+    poll_ns: int | None = None,
+    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole one-token MoE block in one launch: ``route_gate_up`` (the flag form), then each slot's down
     programs (w2 [E (+1), H, I]), which wait inside the launch for that slot's gate-up programs, and the combine +
@@ -280,7 +255,8 @@ def route_gate_up_down_norm(
     combine's output in the residual's dtype): ``down_combine_norm`` on ``route_gate_up``'s outputs, bit for bit.
     The down programs come after every gate-up program in the grid, so they wait only on programs dispatched
     before them; the shared expert's first, as its rows need no routing. tiles: both GEMMs' (``decode_tiles(1)``,
-    which gives gate-up and down the same)."""
+    which gives gate-up and down the same); poll_ns, prefetch: how the down programs wait (``block_down.py``; None:
+    the environment's)."""
     _check_args(x, router_weight, sync, correction_bias, top_k, w13, extra_expert, split, True)
     h, i = x.shape[1], w13.shape[1] // 2
     check_device("route_gate_up_down_norm", w2, residual, norm_weight)
@@ -293,7 +269,7 @@ def route_gate_up_down_norm(
         raise ValueError(f"residual [1, {h}] and norm_weight [{h}], got {tuple(residual.shape)} and "
                          f"{tuple(norm_weight.shape)}")  # fmt: skip
     down = DownNorm(w2, residual if residual.stride(1) == 1 else residual.contiguous(), norm_weight.contiguous(),
-                    float(eps))  # fmt: skip
+                    float(eps), *wait_options(poll_ns, prefetch, w2))  # fmt: skip
     _, _, _, (out, res_out) = _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor,
                                       w13, extra_expert, tiles, split, False, down)  # fmt: skip
     return out, res_out
@@ -366,7 +342,9 @@ def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling
         **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
         BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, WITH_DOWN=n_dcols > 0,
         N_DCOLS=max(n_dcols, 1), OUT_SLOTS=triton.next_power_of_2(out_k), BLOCK_H=next_pow2(h) if n_dcols else 1,
-        DOWN_TICKET=DOWN_TICKET, SLOT_DONE=SLOT_DONE, num_warps=gu.num_warps, num_stages=gu.num_stages,
+        DOWN_TICKET=DOWN_TICKET, SLOT_DONE=SLOT_DONE, POLL_NS=down.poll_ns if down is not None else 0,
+        PREFETCH_LANES=32 * gu.num_warps if down is not None and down.prefetch else 0,
+        num_warps=gu.num_warps, num_stages=gu.num_stages,
         **pdl_kwargs(x, "moe.router_route"),
     )  # fmt: skip
     return weights, ids, a, (outs if down is not None else None)

@@ -4,17 +4,19 @@ combine + residual add + next norm) in one launch, against the two launches it r
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 import torch
 
+from kernels.moe import block_down
 from kernels.moe.down_norm import down_combine_norm
 from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up, route_gate_up_down_norm
 from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
-from tests.kernels.sm90_compile import compile_errors, ptx_of, record_launches
+from tests.kernels.sm90_compile import Launch, compile_errors, ptx_of, record_launches
 from tests.kernels.test_moe_route_gate_up import _inputs as route_gate_up_inputs
 
 
@@ -44,10 +46,12 @@ def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype):
     shared = e if extra else None
     sync = LaunchTicket(SYNC_SIZE).get(x.device)
     want = _two_launches(x, w, bias, w13, w2, residual, norm_w, k, shared)
-    for _ in range(2):  # the second launch finds the counters put back to 0
+    # the second launch finds the counters put back to 0; the waits' knobs (off under the interpreter) change no bit
+    for poll_ns, prefetch in ((0, False), (0, False), (500, True), (0, True)):
         got = route_gate_up_down_norm(
-            x, w, sync, bias, k, True, 2.446, w13, w2, residual, norm_w, 1e-6, extra_expert=shared
-        )
+            x, w, sync, bias, k, True, 2.446, w13, w2, residual, norm_w, 1e-6, extra_expert=shared,
+            poll_ns=poll_ns, prefetch=prefetch,
+        )  # fmt: skip
         for name, g, wt in zip(("norm output", "residual"), got, want, strict=True):
             assert g.dtype == wt.dtype and torch.equal(g, wt), name
         assert not sync.any()
@@ -131,3 +135,45 @@ def test_compiles_for_sm90_and_both_waits_poll_with_volatile_loads():
     loop = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
     bodies = [m.group(2) for m in loop.finditer(ptx_of(launches[0]))]
     assert sum("ld.volatile.global" in b for b in bodies) >= 2, "a wait is not a loop of volatile loads"
+
+
+@pytest.mark.skipif(ON_CUDA, reason="records interpreted launches; on a GPU the tests above compile them anyway")
+def test_the_waits_knobs_compile_to_a_sleep_and_a_bulk_prefetch():
+    """The down programs with ``TANDEM_MOE_BLOCK_POLL_NS`` and ``TANDEM_MOE_BLOCK_PREFETCH`` on (off under the
+    interpreter: set here in the recorded launch), compiled for sm_90: a ``nanosleep`` in the polls, one bulk
+    prefetch a lane before the wait, and the routing's slot words written beside the flag."""
+    x, w, bias, w13, w2, residual, norm_w = _inputs(256, 32, 64, True, torch.bfloat16, seed=4)
+    sync = torch.zeros(SYNC_SIZE, dtype=torch.int32, device=DEVICE)
+    with record_launches() as seen:
+        route_gate_up_down_norm(x, w, sync, bias, 8, True, 1.0, w13, w2, residual, norm_w, 1e-6, extra_expert=32)
+    (plain,) = seen
+    knobs = {"POLL_NS": 500, "PREFETCH_LANES": 128}
+    assert {k: v for k, v in plain.constexprs if k in knobs} == {"POLL_NS": 0, "PREFETCH_LANES": 0}
+    on: Launch = dataclasses.replace(plain, constexprs=tuple((k, knobs.get(k, v)) for k, v in plain.constexprs))
+    assert compile_errors([on]) == []
+    ptx, ptx_off = ptx_of(on), ptx_of(plain)
+    assert "nanosleep.u32" in ptx and "nanosleep" not in ptx_off
+    assert "cp.async.bulk.prefetch.L2.global" in ptx and "cp.async.bulk.prefetch" not in ptx_off
+    assert ptx.count("atom.global.gpu.relaxed.exch") > ptx_off.count("atom.global.gpu.relaxed.exch")
+
+
+def test_wait_options_read_the_environment_and_refuse_bad_values(monkeypatch):
+    """None takes the environment's knobs; bad values name the variable; the interpreter turns both off; the
+    prefetch is off for a w2 whose rows do not start 16-byte aligned."""
+    w2 = torch.zeros(4, 16, 32, dtype=torch.bfloat16)
+    monkeypatch.setattr(block_down, "is_interpreting", lambda: False)
+    monkeypatch.setenv(block_down.POLL_NS_ENV, "250")
+    monkeypatch.setenv(block_down.PREFETCH_ENV, "1")
+    assert block_down.wait_options(None, None, w2) == (250, True)
+    assert block_down.wait_options(0, False, w2) == (0, False)  # the arguments win
+    assert block_down.wait_options(None, None, w2[:, :, 1:]) == (250, False)  # rows 62 bytes apart
+    monkeypatch.setenv(block_down.POLL_NS_ENV, "soon")
+    with pytest.raises(ValueError, match=block_down.POLL_NS_ENV):
+        block_down.wait_options(None, False, w2)
+    with pytest.raises(ValueError, match="poll_ns must be in"):
+        block_down.wait_options(-1, False, w2)
+    monkeypatch.setenv(block_down.PREFETCH_ENV, "yes")
+    with pytest.raises(ValueError, match=block_down.PREFETCH_ENV):
+        block_down.wait_options(0, None, w2)
+    monkeypatch.setattr(block_down, "is_interpreting", lambda: True)
+    assert block_down.wait_options(250, True, w2) == (0, False)
