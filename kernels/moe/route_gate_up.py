@@ -13,14 +13,16 @@ programs never wait and come first in the grid: the GPU dispatches a grid's bloc
 index (what CUB's single-pass scan and CUTLASS's stream-K fix-up also rely on), so they are running or done
 before any waiter holds an SM.
 
-The whole block in one launch (``route_gate_up_down_norm``, ``TANDEM_MOE_BLOCK_ONE_LAUNCH=1``; off until timed on
-a GPU): the down programs (a slot x a block of H's columns, ``down_rows``) come after every gate-up program. Each
-gate-up program counts its slot once its rows of A are stored (release); a slot's down programs wait for the
-count to reach the slot's column blocks (acquire), read A past L1 and stream their expert's down rows, the shared
-expert's first: its rows need no routing, so its down weights stream while the router runs. The last down
-program runs the combine + residual add + next norm (``combine_add_norm_row``), as ``down_combine_norm``'s does.
-The down launch's ramp leaves the step, and a slot's down starts when its rows are ready, not when every slot's
-are.
+The whole block in one launch (``route_gate_up_down_norm``, ``TANDEM_MOE_BLOCK_ONE_LAUNCH=1``; off: slower, 70 us
+against 59 us in two launches on an H100, docs/PERFORMANCE.md, thirty-eighth session): the down programs (a slot x
+a block of H's columns, ``block_down.py``) come after every gate-up program. Each gate-up program counts its slot
+once its rows of A are stored (release); a slot's down programs wait for the count to reach the slot's column
+blocks (acquire), read A past L1 and stream their expert's down rows, the shared expert's first: its rows need no
+routing, so its down weights could stream while the router runs. The last down program runs the combine +
+residual add + next norm (``combine_add_norm_row``), as ``down_combine_norm``'s does. The down launch's ramp leaves
+the step, and a slot's down starts when its rows are ready, not when every slot's are. (Measured, every slot's
+gate-up programs run side by side and finish together, so the down programs gain no overlap and hold their SMs
+while they wait.)
 
 How a routed program learns its expert, two ways (``slot_words``):
 - the flag (the default: the faster form in a decode step, docs/PERFORMANCE.md, thirty-seventh session): the
