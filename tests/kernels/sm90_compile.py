@@ -8,7 +8,9 @@ as a compile error.) Triton compiles without a GPU when it is given the target: 
 ``record_launches()`` keeps each interpreted launch's kernel, argument types and constexprs, as Triton's JIT would
 specialise them (deduplicated); ``compile_errors(launches)`` compiles each one to a cubin for sm_90 in a child
 process whose kernels are compiled-mode (``TRITON_INTERPRET`` unset) and returns what failed, and any launch whose
-PTX has a half-precision FMA (a rounding the kernel meant, skipped by Triton's FP fusion).
+PTX has a half-precision FMA (a rounding the kernel meant, skipped by Triton's FP fusion). Each is compiled in the
+form a GPU launch takes (``as_on_the_gpu``): a bf16 ``tl.dot`` on the tensor cores, not the interpreter's fp32
+upcast (until the thirty-eighth session the bf16 launches were compiled in the interpreter's form).
 """
 
 from __future__ import annotations
@@ -160,14 +162,30 @@ def _ptx(x: dict) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src = _source(x, dict(x["constexprs"]))
+    src = _source(x, as_on_the_gpu(x))
     return triton.compile(src, target=GPUTarget(*TARGET), options=dict(x["options"])).asm["ptx"]
 
 
+_HALF_POINTERS = ("*bf16", "*fp16")
+
+
+def as_on_the_gpu(x: dict) -> dict:
+    """The recorded constexprs as a GPU launch specialises them. Under the interpreter ``dot_config`` upcasts
+    ``tl.dot``'s operands to fp32 (``DOT_F32``, "ieee": its bf16 dot is wrong there); on the GPU half-precision
+    operands go to the tensor cores as they are (``DOT_F32`` off, "tf32"), fp32 ones keep "ieee". A kernel's dot
+    operands share the dtype of its half pointers where it has any (the models run in one dtype)."""
+    constexprs = dict(x["constexprs"])
+    if constexprs.get("DOT_F32") is True and constexprs.get("PREC") == "ieee":
+        half = any(kind in _HALF_POINTERS for _, kind in x["signature"])
+        constexprs.update(DOT_F32=False, PREC="tf32" if half else "ieee")
+    return constexprs
+
+
 def _variants(x: dict) -> list[tuple[dict, dict]]:
-    """(constexprs, options) to compile: as recorded, and with PDL on where the kernel takes it (the host never
-    launches with PDL: kernels/pdl.py), with the weight's L2 prefetch before the wait where it has one."""
-    constexprs, options = dict(x["constexprs"]), dict(x["options"])
+    """(constexprs, options) to compile: as a GPU launch specialises the recorded one (``as_on_the_gpu``), and
+    with PDL on where the kernel takes it (the host never launches with PDL: kernels/pdl.py), with the weight's L2
+    prefetch before the wait where it has one."""
+    constexprs, options = as_on_the_gpu(x), dict(x["options"])
     out = [(constexprs, options)]
     if constexprs.get("USE_PDL") is False:
         on = {**constexprs, "USE_PDL": True}

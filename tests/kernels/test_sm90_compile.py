@@ -7,6 +7,7 @@ not launch (device argmax, FlashMLA's plan, the prefill GEMMs, the handoff copie
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from tests.conftest import make_engine, random_prompts
 from tests.kernels.helpers import ON_CUDA
-from tests.kernels.sm90_compile import Launch, compile_errors, launch_of, record_launches
+from tests.kernels.sm90_compile import Launch, as_on_the_gpu, compile_errors, launch_of, ptx_of, record_launches
 from tests.kernels.test_gpu_backend import gpu_backends
 
 pytestmark = [
@@ -154,3 +155,29 @@ def test_a_kernel_that_does_not_compile_is_reported():
     errors = compile_errors([good, bad])
     assert len(errors) == 2, errors  # the bad kernel as recorded and with PDL on; the good one compiles
     assert all("returns_two_types" in e and "return type" in e.lower() for e in errors), errors
+
+
+def test_bf16_dots_compile_for_the_tensor_cores_as_on_the_gpu():
+    """The interpreter records a bf16 launch with its dot's operands upcast to fp32 (``dot_config``: DOT_F32,
+    "ieee"); the GPU launches it on the tensor cores (DOT_F32 off, "tf32"), and that form is the one compiled:
+    its PTX has MMA instructions, the fp32 launch's has none. A launch that already has the GPU's form is kept."""
+    from kernels.moe.decode import _gate_up_kernel
+
+    def launch(dtype: torch.dtype) -> Launch:
+        x = torch.zeros(1, 64, dtype=dtype)
+        ids = torch.zeros(4, dtype=torch.int64)
+        w13, a = torch.zeros(8, 128, 64, dtype=dtype), torch.zeros(4, 64, dtype=dtype)
+        args = (x, ids, ids, ids, ids, w13, a, 64, 64, 4096, 64, 8192, 64, 64)
+        blocks = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, DOT_F32=True, PREC="ieee", COMPACT=False, USE_PDL=False)
+        got = launch_of(_gate_up_kernel, args, {**blocks, "PAIR_ROWS": True, "num_warps": 4})
+        assert got is not None
+        return got
+
+    bf16, fp32 = launch(torch.bfloat16), launch(torch.float32)
+    as_dict = [{**dataclasses.asdict(x), "constexprs": list(x.constexprs)} for x in (bf16, fp32)]
+    gpu_bf16, gpu_fp32 = (as_on_the_gpu(x) for x in as_dict)
+    assert (gpu_bf16["DOT_F32"], gpu_bf16["PREC"]) == (False, "tf32")
+    assert (gpu_fp32["DOT_F32"], gpu_fp32["PREC"]) == (False, "ieee")
+    already = {**as_dict[0], "constexprs": [(k, {"DOT_F32": False}.get(k, v)) for k, v in bf16.constexprs]}
+    assert as_on_the_gpu(already)["PREC"] == "ieee"  # not the interpreter's form: left as it is
+    assert re.search(r"\b(w?gmma|mma)\.", ptx_of(bf16)) and not re.search(r"\b(w?gmma|mma)\.", ptx_of(fp32))
