@@ -99,8 +99,9 @@
 #                                            # checkpoint and fills a cold Triton cache: minutes)
 #   bash bench/gpu_session.sh block-one-launch # 1 x H200: the one-token MoE block in one launch (the down programs in
 #                                            # the route + gate-up launch, TANDEM_MOE_BLOCK_ONE_LAUNCH): its tests,
-#                                            # bench/moe_route_gate_up.py (--copies 8), b1 at 4k / 32k with it 0 / 1,
-#                                            # twice, then the one-row agreement with it on
+#                                            # bench/moe_route_gate_up.py (--copies 8; rows for the wait's knobs,
+#                                            # kernels/moe/block_down.py), b1 at 4k / 32k with it 0 / 1, twice, then
+#                                            # the one-row agreement with it on (slower on an H100: off, 38th session)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
