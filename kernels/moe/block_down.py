@@ -62,10 +62,10 @@ def wait_options(poll_ns: int | None, prefetch: bool | None, w2: torch.Tensor) -
         if raw not in ("0", "1"):
             raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {raw!r}")
         prefetch = raw == "1"
-    esz = w2.element_size()
-    aligned = w2.data_ptr() % 16 == 0 and (w2.stride(0) * esz) % 16 == 0 and (w2.stride(1) * esz) % 16 == 0
     if is_interpreting():
         return 0, False
+    esz = w2.element_size()
+    aligned = w2.data_ptr() % 16 == 0 and (w2.stride(0) * esz) % 16 == 0 and (w2.stride(1) * esz) % 16 == 0
     return poll_ns, prefetch and aligned
 
 
@@ -116,7 +116,9 @@ def block_down_program(
         prefetch_span_to_l2(first.to(tl.pointer_type(tl.uint8)), nbytes, PREFETCH_LANES)
     wait_count(SYNC + SLOT_DONE + slot, N_COLS, POLL_NS)  # the slot's rows (and its routing)
     tl.debug_barrier()
-    if slot == TOP_K:
+    if PREFETCH_LANES > 0:  # known before the wait
+        e = e0.to(tl.int32)
+    elif slot == TOP_K:
         e = extra_id.to(tl.int32)
     else:
         e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)

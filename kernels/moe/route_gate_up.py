@@ -72,6 +72,17 @@ down programs in the launch, ``route_gate_up_down_norm``)."""
 
 
 @triton.jit
+def write_slot_words(SYNC, ids, TOP_K: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr, ROUTE_BLOCK_K: tl.constexpr,
+                     SEM: tl.constexpr):  # fmt: skip
+    """Each routed slot's expert + 1 into its word of ``SYNC``, straight from the routing's registers (``ids``, row 0
+    of its block): no store read back."""
+    o_k = tl.arange(0, ROUTE_BLOCK_K)
+    m_w = (tl.arange(0, ROUTE_BLOCK_T) == 0)[:, None] & (o_k < TOP_K)[None, :]
+    words = SYNC + 3 + tl.zeros([ROUTE_BLOCK_T, ROUTE_BLOCK_K], dtype=tl.int32) + o_k[None, :]
+    tl.atomic_xchg(words, ids + 1, mask=m_w, sem=SEM, scope="gpu")
+
+
+@triton.jit
 def _route_gate_up_kernel(
     X,  # [1, H] the token's normed hidden
     RW,  # [E, H] the router's weight
@@ -152,18 +163,12 @@ def _route_gate_up_kernel(
                 P, BIAS, W_OUT, ID_OUT, 0, 1, E, E, E, scaling, extra_id,
                 TOP_K, OUT_K, HAS_BIAS, RENORM, SPLITS, ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K, ".cg",
             )  # fmt: skip
-            if SLOT_WORDS:  # the words from the routing's registers (row 0 of its block): no store read back
+            if SLOT_WORDS:
                 tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
-                o_k = tl.arange(0, ROUTE_BLOCK_K)
-                m_w = (tl.arange(0, ROUTE_BLOCK_T) == 0)[:, None] & (o_k < TOP_K)[None, :]
-                words = SYNC + 3 + tl.zeros([ROUTE_BLOCK_T, ROUTE_BLOCK_K], dtype=tl.int32) + o_k[None, :]
-                tl.atomic_xchg(words, ids + 1, mask=m_w, sem="release", scope="gpu")
+                write_slot_words(SYNC, ids, TOP_K, ROUTE_BLOCK_T, ROUTE_BLOCK_K, "release")
             else:
                 if PREFETCH_LANES > 0:  # the down programs' early copy of each routed slot's expert (block_down.py)
-                    o_k = tl.arange(0, ROUTE_BLOCK_K)
-                    m_w = (tl.arange(0, ROUTE_BLOCK_T) == 0)[:, None] & (o_k < TOP_K)[None, :]
-                    words = SYNC + 3 + tl.zeros([ROUTE_BLOCK_T, ROUTE_BLOCK_K], dtype=tl.int32) + o_k[None, :]
-                    tl.atomic_xchg(words, ids + 1, mask=m_w, sem="relaxed", scope="gpu")
+                    write_slot_words(SYNC, ids, TOP_K, ROUTE_BLOCK_T, ROUTE_BLOCK_K, "relaxed")
                 tl.debug_barrier()  # the routing's stores before the flag's release
                 tl.atomic_xchg(SYNC, 0, sem="relaxed", scope="gpu")
                 tl.atomic_xchg(SYNC + 2, 1, sem="release", scope="gpu")
