@@ -215,15 +215,21 @@ def decode_tiles(tokens: int) -> tuple[GemmTiles, GemmTiles]:
     one row block, 32 columns (229 us at T=1 against 249 us with 64 columns on the H200, fewer idle programs
     for 8 experts). Above, routing is skewed (the mid model's b64 steps put up to ~40 rows on an expert) and a
     16-row block walks the expert's weights once per block: 32 x 64 tiles ran 350 us against 373 us with a
-    shared per-expert logit bias, 720 vs 716 us under uniform routing (``python -m bench.moe_decode_sweep``). One token:
-    ``TANDEM_MOE_ONE_ROW_TILES`` (``bench.moe_decode_sweep --pair-rows`` prints it) for A / B runs."""
-    if tokens == 1 and (override := one_row_tiles_override()) is not None:
-        return override
+    shared per-expert logit bias, 720 vs 716 us under uniform routing (``python -m bench.moe_decode_sweep``).
+
+    One token's down launch takes 64 columns: every program takes a ticket (a barrier and a GPU-scope acq_rel
+    atomic) for the combine + norm its last program runs (kernels/moe/down_norm.py), and with half the programs
+    (324, ~1.2 waves of two a SM) the launch took 16.3 against 17.3 us in the b1 step on the H200, same bits
+    (thirty-ninth session). ``TANDEM_MOE_ONE_ROW_TILES`` (``bench.moe_decode_sweep --pair-rows`` prints it)
+    overrides both one-token tiles for A / B runs."""
+    if tokens == 1:
+        return override if (override := one_row_tiles_override()) is not None else (_UP_TO_16_TOKENS, _ONE_TOKEN_DOWN)
     tiles = _UP_TO_16_TOKENS if tokens <= 16 else _ABOVE_16_TOKENS
     return tiles, tiles
 
 
 _UP_TO_16_TOKENS, _ABOVE_16_TOKENS = decode_gemm_tiles(16, 32), decode_gemm_tiles(32, 64)  # built once: per-launch path
+_ONE_TOKEN_DOWN = decode_gemm_tiles(16, 64)  # the down launch of kernels/moe/down_norm.py
 
 
 def parse_one_row_tiles(text: str) -> tuple[GemmTiles, GemmTiles]:

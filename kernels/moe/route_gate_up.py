@@ -261,9 +261,9 @@ def route_gate_up_down_norm(
     residual add + next norm by the last of them -> (the norm's output [1, H] in x's dtype, residual [1, H] + the
     combine's output in the residual's dtype): ``down_combine_norm`` on ``route_gate_up``'s outputs, bit for bit.
     The down programs come after every gate-up program in the grid, so they wait only on programs dispatched
-    before them; the shared expert's first, as its rows need no routing. tiles: both GEMMs' (``decode_tiles(1)``,
-    which gives gate-up and down the same); poll_ns, prefetch: how the down programs wait (``block_down.py``; None:
-    the environment's)."""
+    before them; the shared expert's first, as its rows need no routing. tiles: both GEMMs' (``decode_tiles(1)[0]``,
+    the gate-up's: the down programs here take its columns); poll_ns, prefetch: how the down programs wait
+    (``block_down.py``; None: the environment's)."""
     _check_args(x, router_weight, sync, correction_bias, top_k, w13, extra_expert, split, True)
     h, i = x.shape[1], w13.shape[1] // 2
     check_device("route_gate_up_down_norm", w2, residual, norm_weight)

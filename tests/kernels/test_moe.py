@@ -259,9 +259,10 @@ def test_pair_rows_refuse_more_than_one_token():
 
 
 def test_decode_tiles_take_two_row_blocks_only_above_16_tokens():
-    """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns); above, 32 x 64 tiles."""
-    got = [(gu.block_m, gu.block_n, dn.block_n) for gu, dn in map(decode_tiles, (1, 16, 17, 64))]
-    assert got == [(16, 32, 32), (16, 32, 32), (32, 64, 64), (32, 64, 64)]
+    """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns; one token's down launch 64 columns:
+    its ticket costs less in fewer programs); above, 32 x 64 tiles."""
+    got = [(gu.block_m, gu.block_n, dn.block_n) for gu, dn in map(decode_tiles, (1, 2, 16, 17, 64))]
+    assert got == [(16, 32, 64), (16, 32, 32), (16, 32, 32), (32, 64, 64), (32, 64, 64)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -296,7 +297,7 @@ def test_one_row_tiles_parse_and_refuse_bad_text(monkeypatch):
     finally:
         monkeypatch.delenv("TANDEM_MOE_ONE_ROW_TILES")
         decode.one_row_tiles_override.cache_clear()
-    assert decode_tiles(1) == (decode_gemm_tiles(16, 32),) * 2
+    assert decode_tiles(1) == (decode_gemm_tiles(16, 32), decode_gemm_tiles(16, 64))
 
 
 def test_decode_experts_refuse_bad_shapes():
