@@ -102,6 +102,11 @@
 #                                            # bench/moe_route_gate_up.py (--copies 8; rows for the wait's knobs,
 #                                            # kernels/moe/block_down.py), b1 at 4k / 32k with it 0 / 1, twice, then
 #                                            # the one-row agreement with it on (slower on an H100: off, 38th session)
+#   bash bench/gpu_session.sh ticket-tiles   # 1 x H200: b1 at 4k / 32k with the launches that take a ticket in every
+#                                            # program in fewer programs: the o_proj / dense down GEMVs at 16 rows a
+#                                            # program (TANDEM_GEMV_ONE_ROW_TILES) and the fused route + gate-up's
+#                                            # router in longer column ranges (TANDEM_MOE_ROUTE_SPLIT 512 / 1024 /
+#                                            # 2048), a process each, twice (the MoE down's 64 columns: 39th session)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -134,7 +139,7 @@ if [ -z "${TANDEM_FLASHMLA_SO:-}" ] && [ -f /tmp/fbuild/tandem_flashmla.so ]; th
   export TANDEM_FLASHMLA_SO=/tmp/fbuild/tandem_flashmla.so
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|block-one-launch|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|block-one-launch|ticket-tiles|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   setup) if [ ! -d /tmp/site/fla ]; then pip install -q --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl; fi
@@ -287,6 +292,14 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
       | tee "$OUT/block_one_launch_ab.txt"
     TANDEM_MOE_BLOCK_ONE_LAUNCH=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 \
       --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_block_one_launch.txt" ;;
+  ticket-tiles) gemv16="2304x4096=16/1024/8/3,2304x9216=16/1024/8/3"
+    for i in 1 2; do for v in "" "G$gemv16" "G2304x4096=16/512/8/3,2304x9216=16/512/8/3" S512 S1024 S2048; do
+      echo "== ${v:-defaults}, run $i"
+      case "$v" in G*) export TANDEM_GEMV_ONE_ROW_TILES="${v#G}" TANDEM_MOE_ROUTE_SPLIT= ;;
+        S*) export TANDEM_GEMV_ONE_ROW_TILES= TANDEM_MOE_ROUTE_SPLIT="${v#S}" ;;
+        *) export TANDEM_GEMV_ONE_ROW_TILES= TANDEM_MOE_ROUTE_SPLIT= ;; esac
+      python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 | grep "a step"; done; done \
+      | tee "$OUT/ticket_tiles_ab.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \

@@ -22,7 +22,7 @@ from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.route_fused import router_route
 from kernels.moe.route_gate_up import SYNC_SIZE, route_gate_up, route_gate_up_down_norm
-from kernels.moe.router import router_partials
+from kernels.moe.router import route_split_from_env, router_partials
 from kernels.moe.triton import sigmoid_topk_route_triton
 from kernels.triton_utils import LaunchTicket, is_interpreting
 
@@ -85,6 +85,7 @@ class GPUMoEBackend(MoEBackend):
         self.route_slot_words = os.environ.get("TANDEM_MOE_ROUTE_SLOT_WORDS", "0").strip() == "1"
         # the down programs in that launch too: the whole block one launch (+75 us a b1 step on an H100: off)
         self.block_one_launch = os.environ.get("TANDEM_MOE_BLOCK_ONE_LAUNCH", "0").strip() == "1"
+        self.route_split = route_split_from_env()
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -211,11 +212,11 @@ class GPUMoEBackend(MoEBackend):
                 if self.block_one_launch and not self.route_slot_words:
                     return route_gate_up_down_norm(
                         x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, w2,
-                        an.residual, an.weight, an.eps, extra_expert,
+                        an.residual, an.weight, an.eps, extra_expert, split=self.route_split,
                     )  # fmt: skip
                 weights, ids, a = route_gate_up(
                     x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert,
-                    slot_words=self.route_slot_words,
+                    split=self.route_split, slot_words=self.route_slot_words,
                 )  # fmt: skip
                 return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket)
             except Exception as err:  # the routing's own launch from here on

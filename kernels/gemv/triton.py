@@ -12,6 +12,8 @@ order is fixed by the tile, so the output is deterministic.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +49,41 @@ ONE_ROW_TILES = {  # (N, K) -> the fastest tile of ``bench/gemv_sweep.py`` on th
 def gemv_tile(m: int, n: int, k: int) -> GemvTile:
     """The launch tile for [m, k] x [n, k]^T: one row by the sweep's table, else long rows of W (K >= 4096) in wide
     steps over few weight rows a program (more programs, each with more bytes in flight), short ones in 256-column
-    steps (both within 2-5 % of the best tile at every swept shape); 2-16 rows: one 16-row dot tile."""
+    steps (both within 2-5 % of the best tile at every swept shape); 2-16 rows: one 16-row dot tile. One row,
+    ``TANDEM_GEMV_ONE_ROW_TILES`` first (``one_row_tile_overrides``)."""
     if m == 1:
+        if (n, k) in (overrides := one_row_tile_overrides()):
+            return overrides[(n, k)]
         if (n, k) in ONE_ROW_TILES:
             return ONE_ROW_TILES[(n, k)]
         return GemvTile(8, 1024, 8, 3) if k >= 4096 else GemvTile(16, 256, 4, 3)
     return GemvTile(block_n=32, block_k=128, num_warps=4, num_stages=4)
+
+
+def parse_one_row_tiles(text: str) -> dict[tuple[int, int], GemvTile]:
+    """``"NxK=BN/BK/W/S,..."``: the one-row tile (block_n / block_k / warps / stages) of each [N, K] weight named.
+    Why: the sweep times a GEMV alone, but a launch with the norm after it (kernels/gemv/norm_after.py) takes a
+    ticket in every program, which costs more the more waves of programs there are; A / B runs in the step
+    choose between tiles the sweep found close (the MoE down launch's took half the programs: 39th session)."""
+    tiles: dict[tuple[int, int], GemvTile] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            shape, tile = part.split("=")
+            n, k = (int(v) for v in shape.lower().split("x"))
+            bn, bk, warps, stages = (int(v) for v in tile.split("/"))
+        except ValueError as err:
+            raise ValueError(f"TANDEM_GEMV_ONE_ROW_TILES takes 'NxK=BN/BK/W/S,...', got {part!r}") from err
+        if min(n, k, bn, bk, warps, stages) < 1 or any(v & (v - 1) for v in (bn, bk, warps)) or bk < 16:
+            raise ValueError(f"TANDEM_GEMV_ONE_ROW_TILES: N, K, stages >= 1 and BN, BK (>= 16), W powers of two, "
+                             f"got {part!r}")  # fmt: skip
+        tiles[(n, k)] = GemvTile(bn, bk, warps, stages)
+    return tiles
+
+
+@functools.cache
+def one_row_tile_overrides() -> dict[tuple[int, int], GemvTile]:
+    """``TANDEM_GEMV_ONE_ROW_TILES`` parsed once (empty: the table's tiles)."""
+    return parse_one_row_tiles(os.environ.get("TANDEM_GEMV_ONE_ROW_TILES", ""))
 
 
 @triton.jit
@@ -228,4 +259,4 @@ def _prefetch_bytes(weight: torch.Tensor, programs: int) -> int:
     return prefetch_budget_bytes() // max(programs, 1) // 16 * 16
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_norm_after", "gemv_tile"]
+__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_norm_after", "gemv_tile", "parse_one_row_tiles"]

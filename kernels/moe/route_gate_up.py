@@ -367,11 +367,12 @@ def route_then_gate_up(
     scaling_factor: float,
     w13: torch.Tensor,
     extra_expert: int | None = None,
+    split: int = SPLIT_K,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contract: the two launches ``route_gate_up`` replaces (``router_route`` with its int32 [1] ticket, then
     the pair-row gate-up at ``decode_tiles(1)``), returning what it returns."""
     weights, ids = router_route(
-        x, router_weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
+        x, router_weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert, split
     )
     flat = ids.reshape(-1)
     a = torch.empty(flat.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
@@ -381,4 +382,10 @@ def route_then_gate_up(
     return weights, ids, a
 
 
-__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up", "route_gate_up_down_norm", "route_then_gate_up"]
+__all__ = [
+    "MAX_ROUTED",
+    "SYNC_SIZE",
+    "route_gate_up",
+    "route_gate_up_down_norm",
+    "route_then_gate_up",
+]

@@ -11,6 +11,7 @@ them and the result is deterministic. Not on by default until the H200 says it i
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -139,4 +140,26 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor, split: int = SPLIT_K)
     return out
 
 
-__all__ = ["BLOCK_E", "SPLIT_K", "check_router_args", "router_block", "router_partials", "router_tiles"]
+def route_split_from_env() -> int:
+    """``TANDEM_MOE_ROUTE_SPLIT``: the router columns each router program of the one-token route + gate-up launch
+    sums (kernels/moe/route_gate_up.py; a power of two >= 16, default ``SPLIT_K``). Fewer, longer router programs
+    leave more of the first wave to gate-up programs and give the last one fewer partials to add, but each takes
+    longer: an A / B knob for the b1 step. The logits' adds follow the split, so a launch is exact against
+    ``route_then_gate_up`` at its own split, not at another."""
+    raw = os.environ.get("TANDEM_MOE_ROUTE_SPLIT", "").strip()
+    if not raw:
+        return SPLIT_K
+    if not raw.isdigit() or int(raw) < 16 or int(raw) & (int(raw) - 1):
+        raise ValueError(f"TANDEM_MOE_ROUTE_SPLIT must be a power of two >= 16, got {raw!r}")
+    return int(raw)
+
+
+__all__ = [
+    "BLOCK_E",
+    "SPLIT_K",
+    "check_router_args",
+    "route_split_from_env",
+    "router_block",
+    "router_partials",
+    "router_tiles",
+]

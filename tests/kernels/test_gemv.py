@@ -9,7 +9,15 @@ import torch
 
 from kernels.gemv.gated_norm import gated_norm_gemv, gated_norm_gemv_fits
 from kernels.gemv.naive import naive_gated_norm_gemv, naive_gemv
-from kernels.gemv.triton import GEMV_MAX_ROWS, ONE_ROW_TILES, GemvTile, gemv, gemv_tile
+from kernels.gemv.triton import (
+    GEMV_MAX_ROWS,
+    ONE_ROW_TILES,
+    GemvTile,
+    gemv,
+    gemv_tile,
+    one_row_tile_overrides,
+    parse_one_row_tiles,
+)
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
 
 
@@ -84,6 +92,31 @@ def test_default_tiles_fit_the_paths():
             t = gemv_tile(m, n, k)
             assert t.block_k >= 16 and (m == 1 or t.block_n >= 16)
     assert gemv_tile(1, 2304, 4096) == ONE_ROW_TILES[(2304, 4096)]
+
+
+def test_one_row_tile_overrides_parse_refuse_and_apply(monkeypatch):
+    """``TANDEM_GEMV_ONE_ROW_TILES`` names the one-row tile of each [N, K] it lists; other shapes and rows > 1
+    keep theirs; bad text is refused with the variable's name."""
+    want = {(2304, 4096): GemvTile(16, 1024, 8, 3), (40, 64): GemvTile(16, 32, 2, 2)}
+    assert parse_one_row_tiles(" 2304x4096=16/1024/8/3, 40X64=16/32/2/2 ") == want
+    assert parse_one_row_tiles("") == {}
+    for bad in ("2304x4096", "2304=16/1024/8/3", "2304x4096=16/1024/8", "2304x4096=12/1024/8/3",
+                "2304x4096=16/8/8/3", "0x4096=16/1024/8/3", "axb=16/1024/8/3", "2304x4096=16/1024/8/0"):  # fmt: skip
+        with pytest.raises(ValueError, match="TANDEM_GEMV_ONE_ROW_TILES"):
+            parse_one_row_tiles(bad)
+    monkeypatch.setenv("TANDEM_GEMV_ONE_ROW_TILES", "40x64=16/32/2/2")
+    one_row_tile_overrides.cache_clear()
+    try:
+        assert gemv_tile(1, 40, 64) == GemvTile(16, 32, 2, 2)
+        assert (
+            gemv_tile(2, 40, 64) == GemvTile(32, 128, 4, 4) and gemv_tile(1, 2304, 4096) == ONE_ROW_TILES[(2304, 4096)]
+        )
+        x, w = _operands(1, 40, 64, torch.float32)
+        assert_close("gemv, override tile", naive_gemv(x, w), gemv(x, w), tol(torch.float32))
+    finally:
+        monkeypatch.delenv("TANDEM_GEMV_ONE_ROW_TILES")
+        one_row_tile_overrides.cache_clear()
+    assert gemv_tile(1, 40, 64) == GemvTile(16, 256, 4, 3)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="Kimi mid shapes (19-85 MB weights): too slow for the interpreter")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up, route_then_gate_up
+from kernels.moe.router import SPLIT_K, route_split_from_env
 from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
@@ -52,6 +53,31 @@ def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype, slot_word
         x, w.flip(0), sync, bias, k, True, 2.446, w13, extra_expert=e if extra else None, slot_words=slot_words
     )
     assert not torch.equal(other[1], got[1]) and not torch.equal(other[2], got[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("split", [16, 64, 512])
+def test_another_router_split_equals_the_two_launches_at_that_split(split, dtype):
+    """``TANDEM_MOE_ROUTE_SPLIT``'s launches: 13, 4 and 1 router column ranges at H = 200 (the last one short)."""
+    x, w, bias, w13 = _inputs(200, 40, 48, True, dtype, seed=split)
+    sync = LaunchTicket(SYNC_SIZE).get(x.device)
+    ticket = torch.zeros(1, dtype=torch.int32, device=x.device)
+    want = route_then_gate_up(x, w, ticket, bias, 4, True, 2.446, w13, extra_expert=40, split=split)
+    got = route_gate_up(x, w, sync, bias, 4, True, 2.446, w13, extra_expert=40, split=split)
+    for name, g, wt in zip(("weights", "ids", "gate-up"), got, want, strict=True):
+        assert torch.equal(g, wt), name
+    assert not sync.any()
+
+
+def test_route_split_from_env(monkeypatch):
+    monkeypatch.delenv("TANDEM_MOE_ROUTE_SPLIT", raising=False)
+    assert route_split_from_env() == SPLIT_K
+    monkeypatch.setenv("TANDEM_MOE_ROUTE_SPLIT", " 1024 ")
+    assert route_split_from_env() == 1024
+    for bad in ("8", "100", "-16", "x", "16.0"):
+        monkeypatch.setenv("TANDEM_MOE_ROUTE_SPLIT", bad)
+        with pytest.raises(ValueError, match="TANDEM_MOE_ROUTE_SPLIT must be a power of two >= 16"):
+            route_split_from_env()
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA graph needs CUDA (the interpreter runs programs one by one)")
@@ -98,19 +124,25 @@ def test_bad_inputs_say_what_is_wrong():
 
 @pytest.mark.usefixtures("fla_unblocked")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU engine with interpreted kernels")
-@pytest.mark.parametrize(("route_gate_up_on", "slot_words"), [("1", "0"), ("1", "1"), ("0", "0")])
-def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, route_gate_up_on, slot_words):
+@pytest.mark.parametrize(
+    ("route_gate_up_on", "slot_words", "split"), [("1", "0", ""), ("1", "1", ""), ("0", "0", ""), ("1", "0", "32")]
+)
+def test_one_token_steps_route_inside_the_gate_up(tiny_models, monkeypatch, route_gate_up_on, slot_words, split):
     """Greedy tokens of the tiny Kimi model with the GPU backends, one sequence at a time (every decode step one
     row), weights packed as on CUDA: the reference backends' tokens with a MoE block in two launches (the fused
     route + gate-up ran once per MoE layer a decode step, the router's own launch never at one token) and with
     the routing in its own launch; the fused launch's routed programs told their experts by the flag or by the
-    slot words."""
+    slot words; and with the router split as ``TANDEM_MOE_ROUTE_SPLIT`` sets it."""
     monkeypatch.setenv("TANDEM_MOE_ROUTE_GATE_UP", route_gate_up_on)
+    monkeypatch.setenv("TANDEM_MOE_ROUTE_SPLIT", split)
     monkeypatch.setenv("TANDEM_MOE_ROUTE_SLOT_WORDS", slot_words)
     rows, one_row_blocks = one_row_launches(tiny_models, monkeypatch, ["route_gate_up", "router_route"])
     on = route_gate_up_on == "1"
     assert len(rows["route_gate_up"]) == (one_row_blocks if on else 0)
     assert rows["router_route"].count(1) == (0 if on else one_row_blocks)
+    from engine.backends.gpu_moe import GPUMoEBackend
+
+    assert GPUMoEBackend().route_split == (int(split) if split else SPLIT_K)  # what the launches were given
 
 
 @pytest.mark.skipif(ON_CUDA, reason="records interpreted launches; on a GPU the tests above compile them anyway")
