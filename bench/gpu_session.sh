@@ -106,7 +106,8 @@
 #                                            # program in fewer programs: the o_proj / dense down GEMVs at 16 rows a
 #                                            # program (TANDEM_GEMV_ONE_ROW_TILES) and the fused route + gate-up's
 #                                            # router in longer column ranges (TANDEM_MOE_ROUTE_SPLIT 512 / 1024 /
-#                                            # 2048), a process each, twice (the MoE down's 64 columns: 39th session)
+#                                            # 2048) and the argmax in one launch (TANDEM_ARGMAX_ONE_LAUNCH=1), a
+#                                            # process each, twice (~7 min warm; the MoE down's 64 columns: 39th)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -292,13 +293,11 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
       | tee "$OUT/block_one_launch_ab.txt"
     TANDEM_MOE_BLOCK_ONE_LAUNCH=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 \
       --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_block_one_launch.txt" ;;
-  ticket-tiles) gemv16="2304x4096=16/1024/8/3,2304x9216=16/1024/8/3"
-    for i in 1 2; do for v in "" "G$gemv16" "G2304x4096=16/512/8/3,2304x9216=16/512/8/3" S512 S1024 S2048; do
+  ticket-tiles) g="TANDEM_GEMV_ONE_ROW_TILES=2304x4096"; d="2304x9216"
+    for i in 1 2; do for v in "" "$g=16/1024/8/3,$d=16/1024/8/3" "$g=16/512/8/3,$d=16/512/8/3" \
+        TANDEM_MOE_ROUTE_SPLIT=512 TANDEM_MOE_ROUTE_SPLIT=1024 TANDEM_MOE_ROUTE_SPLIT=2048 TANDEM_ARGMAX_ONE_LAUNCH=1; do
       echo "== ${v:-defaults}, run $i"
-      case "$v" in G*) export TANDEM_GEMV_ONE_ROW_TILES="${v#G}" TANDEM_MOE_ROUTE_SPLIT= ;;
-        S*) export TANDEM_GEMV_ONE_ROW_TILES= TANDEM_MOE_ROUTE_SPLIT="${v#S}" ;;
-        *) export TANDEM_GEMV_ONE_ROW_TILES= TANDEM_MOE_ROUTE_SPLIT= ;; esac
-      python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 | grep "a step"; done; done \
+      env $v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 | grep "a step"; done; done \
       | tee "$OUT/ticket_tiles_ab.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \

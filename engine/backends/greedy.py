@@ -4,6 +4,8 @@ step and copies home): torch's argmax as the reference, the two-launch Triton ke
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.sampling.naive import naive_argmax_rows
@@ -16,7 +18,15 @@ class TorchGreedy:
 
 
 class TritonGreedy(TorchGreedy):
-    """kernels/sampling/triton.py on CUDA tensors (and on the host under TRITON_INTERPRET=1)."""
+    """kernels/sampling/triton.py on CUDA tensors (and on the host under TRITON_INTERPRET=1). With
+    ``TANDEM_ARGMAX_ONE_LAUNCH=1`` the chunks' maxima and the rows' reduction run in one launch (its last program
+    takes the rows after a ticket), up to ``ONE_LAUNCH_MAX_ROWS`` rows; off by default until a step has timed it."""
+
+    def __init__(self) -> None:
+        from kernels.triton_utils import LaunchTicket
+
+        self.one_launch = os.environ.get("TANDEM_ARGMAX_ONE_LAUNCH", "0").strip() == "1"
+        self._ticket = LaunchTicket()  # made outside any capture, reused by every launch on a device
 
     def argmax_rows(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         from kernels.sampling.triton import argmax_rows
@@ -24,4 +34,4 @@ class TritonGreedy(TorchGreedy):
 
         if not logits.is_cuda and not is_interpreting():
             return super().argmax_rows(logits, out)
-        return argmax_rows(logits, out)
+        return argmax_rows(logits, out, self._ticket.get(logits.device) if self.one_launch else None)

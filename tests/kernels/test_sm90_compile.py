@@ -92,6 +92,7 @@ def test_gpu_only_decode_kernels_compile_for_the_h200():
     with record_launches() as seen:
         for dtype in (torch.float32, torch.bfloat16):
             argmax_rows(torch.randn(3, 1000, generator=g).to(dtype))
+            argmax_rows(torch.randn(3, 5000, generator=g).to(dtype), ticket=torch.zeros(1, dtype=torch.int32))
             router_partials(torch.randn(1, 256, generator=g).to(dtype), torch.randn(64, 256, generator=g).to(dtype))
         even_blocks_plan(torch.tensor([4096, 70], dtype=torch.int32), 16, 16, 4)
         cum = torch.tensor([0, 5, 6], dtype=torch.int32)  # FlashMLA's split accumulators at 32 heads x 512
@@ -108,7 +109,8 @@ def test_gpu_only_decode_kernels_compile_for_the_h200():
         paged_gqa_attention_triton(torch.randn(2, 4, 32, generator=g), kv, [0, 1, 2], [300, 40], tables, 0.2, 2)
     launches = _ours(seen)
     kernels = {x.kernel for x in launches}
-    want = {"_chunk_max_kernel", "_row_argmax_kernel", "_router_partials_kernel", "_even_blocks_plan_kernel"}
+    want = {"_chunk_max_kernel", "_row_argmax_kernel", "_argmax_one_launch_kernel", "_router_partials_kernel"}
+    want |= {"_even_blocks_plan_kernel"}
     want |= {"_split_combine_kernel"}
     want |= {"_block_counts_kernel", "_block_rows_kernel", "_block_place_kernel", "_merge_splits_kernel"}
     assert want <= kernels, sorted(want - kernels)
