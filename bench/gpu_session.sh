@@ -106,8 +106,10 @@
 #                                            # program in fewer programs: the o_proj / dense down GEMVs at 16 rows a
 #                                            # program (TANDEM_GEMV_ONE_ROW_TILES) and the fused route + gate-up's
 #                                            # router in longer column ranges (TANDEM_MOE_ROUTE_SPLIT 512 / 1024 /
-#                                            # 2048) and the argmax in one launch (TANDEM_ARGMAX_ONE_LAUNCH=1), a
-#                                            # process each, twice (~7 min warm; the MoE down's 64 columns: 39th)
+#                                            # 2048), the argmax in one launch (TANDEM_ARGMAX_ONE_LAUNCH=1) and the
+#                                            # routed programs polling the flag with acquire loads
+#                                            # (TANDEM_MOE_ROUTE_ACQUIRE_POLL=1), a process each, RUNS times (2: ~8
+#                                            # min warm, a call of its own; the MoE down's 64 columns: 39th session)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -294,8 +296,9 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
     TANDEM_MOE_BLOCK_ONE_LAUNCH=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 \
       --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_block_one_launch.txt" ;;
   ticket-tiles) g="TANDEM_GEMV_ONE_ROW_TILES=2304x4096"; d="2304x9216"
-    for i in 1 2; do for v in "" "$g=16/1024/8/3,$d=16/1024/8/3" "$g=16/512/8/3,$d=16/512/8/3" \
-        TANDEM_MOE_ROUTE_SPLIT=512 TANDEM_MOE_ROUTE_SPLIT=1024 TANDEM_MOE_ROUTE_SPLIT=2048 TANDEM_ARGMAX_ONE_LAUNCH=1; do
+    for i in $(seq "${RUNS:-2}"); do for v in "" "$g=16/1024/8/3,$d=16/1024/8/3" "$g=16/512/8/3,$d=16/512/8/3" \
+        TANDEM_MOE_ROUTE_SPLIT=512 TANDEM_MOE_ROUTE_SPLIT=1024 TANDEM_MOE_ROUTE_SPLIT=2048 TANDEM_ARGMAX_ONE_LAUNCH=1 \
+        TANDEM_MOE_ROUTE_ACQUIRE_POLL=1; do
       echo "== ${v:-defaults}, run $i"
       env $v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 | grep "a step"; done; done \
       | tee "$OUT/ticket_tiles_ab.txt" ;;

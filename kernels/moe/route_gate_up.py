@@ -28,7 +28,8 @@ How a routed program learns its expert, two ways (``slot_words``):
 - the flag (the default: the faster form in a decode step, docs/PERFORMANCE.md, thirty-seventh session): the
   routing's last program raises one flag (release); a waiter polls it, then an acquire, a barrier and a load of
   its expert id from the routing's output, and counts itself before its weights stream; the last one counted puts
-  the flag and the count back to 0;
+  the flag and the count back to 0 (with ``TANDEM_MOE_ROUTE_ACQUIRE_POLL=1`` every thread polls with an acquire
+  load and the count comes after the rows: one round trip after the flag instead of three, ``flag_wait.py``);
 - the slot words (``slot_words=True``, ``TANDEM_MOE_ROUTE_SLOT_WORDS=1``; off: on an H100 3 us faster than the
   flag alone, yet 1.3 us a layer slower in a b1 step, where other launches run around it): the routing's last
   program writes each routed slot's expert id + 1 into a word of its own (0: not yet) straight from its registers
@@ -40,10 +41,7 @@ How a routed program learns its expert, two ways (``slot_words``):
 programs' count, the flag, a word a routed slot; 0 before a launch and after it; launches that share it must not
 overlap (one stream).
 
-Session 35 took this launch for a hang: its first b1 run on a fresh H100 printed nothing in 150 s. Session 36 (H200)
-found the cause in the clock, not the kernel: a fresh machine's Triton cache is empty, and compiling the mid
-model's prefill and decode kernels alone took longer than that (bench/moe_block_hang.py, on a warm cache: every
-counter at 0 before and after each launch, graph steps run).
+Session 35's "hang" of this launch was a fresh machine's cold Triton cache (docs/PERFORMANCE.md, session 36).
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ import triton.language as tl
 
 from kernels.moe.block_down import DownNorm, block_down_program, wait_options
 from kernels.moe.decode import decode_tiles, gate_up_rows, launch_gate_up
+from kernels.moe.flag_wait import acquire_poll, wait_flag
 from kernels.moe.route_fused import router_route
 from kernels.moe.router import BLOCK_E, SPLIT_K, check_router_args, router_block, router_tiles
 from kernels.moe.tiles import GemmTiles
@@ -136,6 +135,7 @@ def _route_gate_up_kernel(
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
     SLOT_WORDS: tl.constexpr,  # each routed slot polls a word holding its expert, not the flag
+    ACQUIRE_POLL: tl.constexpr,  # the flag polled with acquire loads, the count after the rows (flag_wait.py)
     WITH_DOWN: tl.constexpr,  # the down programs after the gate-up's, the combine + norm by the last of them
     N_DCOLS: tl.constexpr,  # column blocks of H a slot's down
     OUT_SLOTS: tl.constexpr,  # next power of two >= OUT_K
@@ -183,15 +183,13 @@ def _route_gate_up_kernel(
                 word = tl.load(SYNC + 3 + slot, volatile=True)
             e = word - 1
         else:
-            while tl.load(SYNC + 2, volatile=True) == 0:
-                pass
-            tl.atomic_add(SYNC + 2, 0, sem="acquire", scope="gpu")  # orders the routing's loads after the flag
-            tl.debug_barrier()
+            wait_flag(SYNC + 2, ACQUIRE_POLL)  # kernels/moe/flag_wait.py
             e = tl.load(ID_OUT + slot, cache_modifier=".cg").to(tl.int32)
-            seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
-            if seen == routed - 1:  # every routed program has seen the flag: both back to 0
-                tl.atomic_xchg(SYNC + 2, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
+            if not ACQUIRE_POLL:
+                seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
+                if seen == routed - 1:  # every routed program has seen the flag: both back to 0
+                    tl.atomic_xchg(SYNC + 2, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
         gate_up_rows(
             X, X, W13, A, e, slot, slot + 1, g % N_COLS, H, INTER, up_offset, stride_x, stride_we, stride_wn,
             stride_a, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, PREC, True,
@@ -199,12 +197,15 @@ def _route_gate_up_kernel(
         if WITH_DOWN:  # this slot's down programs wait for all N_COLS of these (release: the rows come first)
             tl.debug_barrier()
             tl.atomic_add(SYNC + SLOT_DONE + slot, 1, sem="release", scope="gpu")
-        if SLOT_WORDS and slot != TOP_K:  # counted after its rows: the last one puts the words back to 0
+        if (SLOT_WORDS or ACQUIRE_POLL) and slot != TOP_K:  # counted after its rows: the last one puts back to 0
             seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
             if seen == routed - 1:
-                slots = tl.arange(0, SLOTS)
                 tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(SYNC + 3 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
+                if SLOT_WORDS:  # the words
+                    slots = tl.arange(0, SLOTS)
+                    tl.atomic_xchg(SYNC + 3 + slots, 0, mask=slots < TOP_K, sem="relaxed", scope="gpu")
+                else:  # the flag
+                    tl.atomic_xchg(SYNC + 2, 0, sem="relaxed", scope="gpu")
     elif WITH_DOWN:
         block_down_program(
             pid - N_ROUTER - OUT_K * N_COLS, A, W2, Y, SYNC, ID_OUT, W_OUT, RESIDUAL, NORM_W, OUT, RES_OUT, extra_id,
@@ -226,14 +227,16 @@ def route_gate_up(
     gate_up: GemmTiles | None = None,
     split: int = SPLIT_K,
     slot_words: bool = False,
+    acquire: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token x [1, H]: ``router_route`` (router_weight [E, H]) and the gate-up of its experts (w13 [E (+1), 2I,
     H]) in one launch -> (weights [1, k (+1)] fp32, ids [1, k (+1)] int64, silu(gate) * up [k (+1), I] in pair
     order: what ``kernels/moe/down_norm.down_combine_norm`` takes). sync: int32 [SYNC_SIZE] at 0
-    (``LaunchTicket(SYNC_SIZE)``); slot_words: how the routed programs learn their experts (the module's doc)."""
+    (``LaunchTicket(SYNC_SIZE)``); slot_words: how the routed programs learn their experts (the module's doc);
+    acquire: the flag's waiters poll with acquire loads (``flag_wait.py``; None: the environment's)."""
     _check_args(x, router_weight, sync, correction_bias, top_k, w13, extra_expert, split, slot_words)
     weights, ids, a, _ = _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13,
-                                 extra_expert, gate_up, split, slot_words, None)  # fmt: skip
+                                 extra_expert, gate_up, split, slot_words, acquire, None)  # fmt: skip
     return weights, ids, a
 
 
@@ -255,6 +258,7 @@ def route_gate_up_down_norm(
     split: int = SPLIT_K,
     poll_ns: int | None = None,
     prefetch: bool | None = None,
+    acquire: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole one-token MoE block in one launch: ``route_gate_up`` (the flag form), then each slot's down
     programs (w2 [E (+1), H, I]), which wait inside the launch for that slot's gate-up programs, and the combine +
@@ -263,7 +267,7 @@ def route_gate_up_down_norm(
     The down programs come after every gate-up program in the grid, so they wait only on programs dispatched
     before them; the shared expert's first, as its rows need no routing. tiles: both GEMMs' (``decode_tiles(1)[0]``,
     the gate-up's: the down programs here take its columns); poll_ns, prefetch: how the down programs wait
-    (``block_down.py``; None: the environment's)."""
+    (``block_down.py``), acquire: how the flag's waiters poll (``flag_wait.py``); None: the environment's."""
     _check_args(x, router_weight, sync, correction_bias, top_k, w13, extra_expert, split, True)
     h, i = x.shape[1], w13.shape[1] // 2
     check_device("route_gate_up_down_norm", w2, residual, norm_weight)
@@ -278,7 +282,7 @@ def route_gate_up_down_norm(
     down = DownNorm(w2, residual if residual.stride(1) == 1 else residual.contiguous(), norm_weight.contiguous(),
                     float(eps), *wait_options(poll_ns, prefetch, w2))  # fmt: skip
     _, _, _, (out, res_out) = _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor,
-                                      w13, extra_expert, tiles, split, False, down)  # fmt: skip
+                                      w13, extra_expert, tiles, split, False, acquire, down)  # fmt: skip
     return out, res_out
 
 
@@ -315,7 +319,7 @@ def _check_args(
 
 
 def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert, tiles,
-            split, slot_words, down: DownNorm | None):  # fmt: skip
+            split, slot_words, acquire, down: DownNorm | None):  # fmt: skip
     """One launch of the kernel, its arguments checked -> (weights, ids, a, (the norm's output, the new residual)
     with ``down``, else None)."""
     e, h = router_weight.shape
@@ -347,7 +351,8 @@ def _launch(x, router_weight, sync, correction_bias, top_k, renormalize, scaling
         SLOTS=triton.next_power_of_2(top_k), OUT_K=out_k,
         HAS_BIAS=correction_bias is not None, RENORM=renormalize,
         **{f"ROUTE_{k}": v for k, v in route_tiles(1, e, out_k).items()}, BLOCK_M=gu.block_m, BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words, WITH_DOWN=n_dcols > 0,
+        BLOCK_K=gu.block_k, DOT_F32=rt["DOT_F32"], PREC=rt["PREC"], SLOT_WORDS=slot_words,
+        ACQUIRE_POLL=not slot_words and acquire_poll(acquire), WITH_DOWN=n_dcols > 0,
         N_DCOLS=max(n_dcols, 1), OUT_SLOTS=triton.next_power_of_2(out_k), BLOCK_H=next_pow2(h) if n_dcols else 1,
         DOWN_TICKET=DOWN_TICKET, SLOT_DONE=SLOT_DONE, POLL_NS=down.poll_ns if down is not None else 0,
         PREFETCH_LANES=32 * gu.num_warps if down is not None and down.prefetch else 0,

@@ -4,6 +4,7 @@ counters across launches and graph replays; bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -81,17 +82,20 @@ def test_route_split_from_env(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA graph needs CUDA (the interpreter runs programs one by one)")
-@pytest.mark.parametrize("slot_words", [False, True], ids=["flag", "slot_words"])
-def test_counters_survive_graph_replays(slot_words):
+@pytest.mark.parametrize(
+    ("slot_words", "acquire"), [(False, False), (True, False), (False, True)], ids=["flag", "slot_words", "acquire"]
+)
+def test_counters_survive_graph_replays(slot_words, acquire):
     """Programs really run concurrently here, at Kimi's shapes (256 experts + the shared one, 2304 x 1024): the
-    routed slots' programs wait for the router's inside the launch; every replay with a new token equals the two
-    launches and leaves the counters at 0."""
+    routed slots' programs wait for the router's inside the launch (the flag polled with volatile or acquire loads,
+    or the slot words); every replay with a new token equals the two launches and leaves the counters at 0."""
     x, w, bias, w13 = _inputs(2304, 256, 1024, True, torch.bfloat16, seed=3)
     sync = LaunchTicket(SYNC_SIZE).get(x.device)
-    route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256, slot_words=slot_words)  # compile first
+    kw = dict(extra_expert=256, slot_words=slot_words, acquire=acquire)
+    route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, **kw)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, extra_expert=256, slot_words=slot_words)
+        got = route_gate_up(x, w, sync, bias, 8, True, 2.446, w13, **kw)
     gen = torch.Generator(device=x.device).manual_seed(11)
     for _ in range(50):
         x.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x))
@@ -162,3 +166,43 @@ def test_both_forms_compile_for_sm90_and_poll_with_volatile_loads():
     for launch in launches:
         bodies = [m.group(2) for m in loop.finditer(ptx_of(launch))]
         assert any("ld.volatile.global" in b for b in bodies), "the poll is not a loop of volatile loads"
+
+
+@pytest.mark.skipif(ON_CUDA, reason="records interpreted launches; on a GPU the tests above run the form itself")
+def test_acquire_polls_compile_for_sm90_as_a_loop_of_acquire_loads():
+    """``TANDEM_MOE_ROUTE_ACQUIRE_POLL`` (off under the interpreter: set here in the recorded launch), compiled for
+    sm_90: the waiters poll with ``ld.acquire.gpu`` in a loop, and the acquire after the volatile poll (Triton emits
+    ``atomic_add(0, sem="acquire")`` as ``ld.global.gpu.acquire``) is gone; the count moves after the rows."""
+    x, w, bias, w13 = _inputs(256, 32, 64, True, torch.bfloat16, seed=4)
+    sync = torch.zeros(SYNC_SIZE, dtype=torch.int32, device=DEVICE)
+    with record_launches() as seen:
+        route_gate_up(x, w, sync, bias, 8, True, 1.0, w13, extra_expert=32, acquire=True)
+    (plain,) = seen
+    assert dict(plain.constexprs)["ACQUIRE_POLL"] is False  # the interpreter has no inline PTX
+    on = dataclasses.replace(
+        plain, constexprs=tuple((k, True if k == "ACQUIRE_POLL" else v) for k, v in plain.constexprs)
+    )
+    assert compile_errors([on]) == []
+    ptx, ptx_off = ptx_of(on), ptx_of(plain)
+    loop = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
+    assert any("ld.acquire.gpu" in m.group(2) for m in loop.finditer(ptx)), "the poll is not a loop of acquire loads"
+    assert "ld.acquire.gpu" not in ptx_off
+    assert "ld.global.gpu.acquire" in ptx_off and "ld.global.gpu.acquire" not in ptx
+    assert "ld.volatile.global" in ptx_off and "ld.volatile.global" not in ptx
+
+
+def test_acquire_poll_switch(monkeypatch):
+    from kernels.moe import flag_wait
+
+    for raw, want in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("TANDEM_MOE_ROUTE_ACQUIRE_POLL", raw)
+        flag_wait.acquire_poll_from_env.cache_clear()
+        assert flag_wait.acquire_poll_from_env() is want
+    monkeypatch.setenv("TANDEM_MOE_ROUTE_ACQUIRE_POLL", "yes")
+    flag_wait.acquire_poll_from_env.cache_clear()
+    with pytest.raises(ValueError, match="TANDEM_MOE_ROUTE_ACQUIRE_POLL must be 0 or 1"):
+        flag_wait.acquire_poll_from_env()
+    monkeypatch.delenv("TANDEM_MOE_ROUTE_ACQUIRE_POLL")
+    flag_wait.acquire_poll_from_env.cache_clear()
+    # never under the interpreter (no inline PTX there); asked for, on a GPU
+    assert flag_wait.acquire_poll(True) is (not flag_wait.is_interpreting())
