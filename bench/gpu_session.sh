@@ -300,7 +300,8 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
         TANDEM_MOE_ROUTE_SPLIT=512 TANDEM_MOE_ROUTE_SPLIT=1024 TANDEM_MOE_ROUTE_SPLIT=2048 TANDEM_ARGMAX_ONE_LAUNCH=1 \
         TANDEM_MOE_ROUTE_ACQUIRE_POLL=1; do
       echo "== ${v:-defaults}, run $i"
-      env $v python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 | grep "a step"; done; done \
+      env $v timeout 180 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 \
+        | grep "a step" || echo "failed or timed out: ${v:-defaults}"; done; done \
       | tee "$OUT/ticket_tiles_ab.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \

@@ -52,7 +52,7 @@ def sweep(t: int, skew: float, device: torch.device, copy_bw: float, w13: torch.
     x = torch.randn(t, HID, generator=gen, device=device).to(torch.bfloat16)
     al = moe_align_triton(ids, E)
     nbytes = hit * 3 * HID * INTER * 2
-    d, _ = decode_tiles(t)  # above one token both kernels take the same tiles (--tokens: 2 or more)
+    d, _ = decode_tiles(t)  # both kernels' tiles are the same here
     default_cfg = (d.block_m, d.block_n, d.block_k, d.num_warps)  # as moe_experts_decode picks them
     want = moe_experts_decode(x, al, w13, w2, d, d)
     rows = []

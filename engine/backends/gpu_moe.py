@@ -18,6 +18,7 @@ from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_nor
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
 from kernels.moe.down_norm import down_combine_norm, moe_experts_decode_add_norm
+from kernels.moe.flag_wait import acquire_poll_from_env
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
 from kernels.moe.route_fused import router_route
@@ -86,6 +87,7 @@ class GPUMoEBackend(MoEBackend):
         # the down programs in that launch too: the whole block one launch (+75 us a b1 step on an H100: off)
         self.block_one_launch = os.environ.get("TANDEM_MOE_BLOCK_ONE_LAUNCH", "0").strip() == "1"
         self.route_split = route_split_from_env()
+        acquire_poll_from_env()  # a bad TANDEM_MOE_ROUTE_ACQUIRE_POLL fails here, not as a fallback mid-run
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv

@@ -74,8 +74,8 @@ def parse_one_row_tiles(text: str) -> dict[tuple[int, int], GemvTile]:
         except ValueError as err:
             raise ValueError(f"TANDEM_GEMV_ONE_ROW_TILES takes 'NxK=BN/BK/W/S,...', got {part!r}") from err
         if min(n, k, bn, bk, warps, stages) < 1 or any(v & (v - 1) for v in (bn, bk, warps)) or bk < 16:
-            raise ValueError(f"TANDEM_GEMV_ONE_ROW_TILES: N, K, stages >= 1 and BN, BK (>= 16), W powers of two, "
-                             f"got {part!r}")  # fmt: skip
+            raise ValueError(f"TANDEM_GEMV_ONE_ROW_TILES: N, K, stages >= 1, BK >= 16, and BN, BK, W powers of "
+                             f"two, got {part!r}")  # fmt: skip
         tiles[(n, k)] = GemvTile(bn, bk, warps, stages)
     return tiles
 

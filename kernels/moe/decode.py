@@ -217,19 +217,26 @@ def decode_tiles(tokens: int) -> tuple[GemmTiles, GemmTiles]:
     16-row block walks the expert's weights once per block: 32 x 64 tiles ran 350 us against 373 us with a
     shared per-expert logit bias, 720 vs 716 us under uniform routing (``python -m bench.moe_decode_sweep``).
 
-    One token's down launch takes 64 columns: every program takes a ticket (a barrier and a GPU-scope acq_rel
-    atomic) for the combine + norm its last program runs (kernels/moe/down_norm.py), and with half the programs
-    (324, ~1.2 waves of two a SM) the launch took 16.3 against 17.3 us in the b1 step on the H200, same bits
-    (thirty-ninth session). ``TANDEM_MOE_ONE_ROW_TILES`` (``bench.moe_decode_sweep --pair-rows`` prints it)
-    overrides both one-token tiles for A / B runs."""
-    if tokens == 1:
-        return override if (override := one_row_tiles_override()) is not None else (_UP_TO_16_TOKENS, _ONE_TOKEN_DOWN)
+    One token: ``TANDEM_MOE_ONE_ROW_TILES`` (``bench.moe_decode_sweep --pair-rows`` prints it) overrides both
+    tiles for A / B runs; the down launch with the combine + norm in it has its own default
+    (``down_norm_tiles``)."""
+    if tokens == 1 and (override := one_row_tiles_override()) is not None:
+        return override
     tiles = _UP_TO_16_TOKENS if tokens <= 16 else _ABOVE_16_TOKENS
     return tiles, tiles
 
 
+def down_norm_tiles() -> GemmTiles:
+    """The tile of one token's down launch that runs the combine + norm (kernels/moe/down_norm.py): 64 columns.
+    Every program of it takes a ticket (a barrier and a GPU-scope acq_rel atomic) for the combine + norm its last
+    program runs, and with half the programs (324, ~1.2 waves of two a SM) the launch took 16.3 against 17.3 us in
+    the b1 step on the H200, same bits (thirty-ninth session). The plain down kernel keeps ``decode_tiles``'."""
+    override = one_row_tiles_override()
+    return override[1] if override is not None else _DOWN_NORM
+
+
 _UP_TO_16_TOKENS, _ABOVE_16_TOKENS = decode_gemm_tiles(16, 32), decode_gemm_tiles(32, 64)  # built once: per-launch path
-_ONE_TOKEN_DOWN = decode_gemm_tiles(16, 64)  # the down launch of kernels/moe/down_norm.py
+_DOWN_NORM = decode_gemm_tiles(16, 64)
 
 
 def parse_one_row_tiles(text: str) -> tuple[GemmTiles, GemmTiles]:

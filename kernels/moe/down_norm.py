@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.combine_norm import combine_add_norm_row
-from kernels.moe.decode import decode_tiles, down_program, launch_gate_up
+from kernels.moe.decode import decode_tiles, down_norm_tiles, down_program, launch_gate_up
 from kernels.moe.tiles import GemmTiles
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, next_pow2
@@ -119,7 +119,7 @@ def down_combine_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The down launch of one token's k experts from their silu(gate) * up rows a [k, I] (pair order) -> (the
     norm's output [1, H] in a's dtype, the new residual [1, H]); ids [k] int64 (distinct), the rest as
-    ``moe_experts_decode_add_norm`` takes them; down: the launch's tiles (None: ``decode_tiles(1)``'s)."""
+    ``moe_experts_decode_add_norm`` takes them; down: the launch's tiles (None: ``down_norm_tiles()``)."""
     check_device("down_combine_norm", a, ids, w2, weights, residual, norm_weight, ticket)
     k, i = a.shape
     h = w2.shape[1]
@@ -134,7 +134,7 @@ def down_combine_norm(
     if ticket.shape != (1,) or ticket.dtype != torch.int32:
         raise ValueError(f"ticket must be an int32 [1], got {ticket.dtype} {tuple(ticket.shape)}")
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    down = down or decode_tiles(1)[1]
+    down = down or down_norm_tiles()
     y = torch.empty(k, h, dtype=a.dtype, device=a.device)
     out = torch.empty(1, h, dtype=a.dtype, device=a.device)
     res_out = torch.empty(1, h, dtype=residual.dtype, device=a.device)

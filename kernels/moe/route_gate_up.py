@@ -198,6 +198,8 @@ def _route_gate_up_kernel(
             tl.debug_barrier()
             tl.atomic_add(SYNC + SLOT_DONE + slot, 1, sem="release", scope="gpu")
         if (SLOT_WORDS or ACQUIRE_POLL) and slot != TOP_K:  # counted after its rows: the last one puts back to 0
+            if ACQUIRE_POLL:
+                tl.debug_barrier()  # every thread is past its own poll before the flag can go back to 0
             seen = tl.atomic_add(SYNC + 1, 1, sem="relaxed", scope="gpu")
             if seen == routed - 1:
                 tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")

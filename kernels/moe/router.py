@@ -149,9 +149,10 @@ def route_split_from_env() -> int:
     raw = os.environ.get("TANDEM_MOE_ROUTE_SPLIT", "").strip()
     if not raw:
         return SPLIT_K
-    if not raw.isdigit() or int(raw) < 16 or int(raw) & (int(raw) - 1):
-        raise ValueError(f"TANDEM_MOE_ROUTE_SPLIT must be a power of two >= 16, got {raw!r}")
-    return int(raw)
+    split = int(raw) if raw.isascii() and raw.isdecimal() else 0
+    if not 16 <= split <= 4096 or split & (split - 1):  # past 4096: one range already at Kimi's H, long unrolls
+        raise ValueError(f"TANDEM_MOE_ROUTE_SPLIT must be a power of two from 16 to 4096, got {raw!r}")
+    return split
 
 
 __all__ = [

@@ -7,7 +7,13 @@ import torch
 
 from kernels.moe.align import moe_align_blocks, moe_align_triton
 from kernels.moe.combine import moe_combine_triton
-from kernels.moe.decode import decode_gemm_tiles, decode_tiles, moe_experts_decode, parse_one_row_tiles
+from kernels.moe.decode import (
+    decode_gemm_tiles,
+    decode_tiles,
+    down_norm_tiles,
+    moe_experts_decode,
+    parse_one_row_tiles,
+)
 from kernels.moe.grouped import grouped_moe, moe_align, moe_combine
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.moe.triton import sigmoid_topk_route_triton
@@ -259,10 +265,11 @@ def test_pair_rows_refuse_more_than_one_token():
 
 
 def test_decode_tiles_take_two_row_blocks_only_above_16_tokens():
-    """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns; one token's down launch 64 columns:
-    its ticket costs less in fewer programs); above, 32 x 64 tiles."""
-    got = [(gu.block_m, gu.block_n, dn.block_n) for gu, dn in map(decode_tiles, (1, 2, 16, 17, 64))]
-    assert got == [(16, 32, 64), (16, 32, 32), (16, 32, 32), (32, 64, 64), (32, 64, 64)]
+    """Up to 16 tokens no expert has more than 16 rows (one block, 32 columns); above, 32 x 64 tiles. One token's
+    down launch with the combine + norm in it: 64 columns (its ticket costs less in fewer programs)."""
+    got = [(gu.block_m, gu.block_n, dn.block_n) for gu, dn in map(decode_tiles, (1, 16, 17, 64))]
+    assert got == [(16, 32, 32), (16, 32, 32), (32, 64, 64), (32, 64, 64)]
+    assert down_norm_tiles() == decode_gemm_tiles(16, 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -294,10 +301,11 @@ def test_one_row_tiles_parse_and_refuse_bad_text(monkeypatch):
     decode.one_row_tiles_override.cache_clear()
     try:
         assert decode_tiles(1) == want and decode_tiles(2) == (decode_gemm_tiles(16, 32),) * 2
+        assert down_norm_tiles() == want[1]
     finally:
         monkeypatch.delenv("TANDEM_MOE_ONE_ROW_TILES")
         decode.one_row_tiles_override.cache_clear()
-    assert decode_tiles(1) == (decode_gemm_tiles(16, 32), decode_gemm_tiles(16, 64))
+    assert decode_tiles(1) == (decode_gemm_tiles(16, 32),) * 2
 
 
 def test_decode_experts_refuse_bad_shapes():

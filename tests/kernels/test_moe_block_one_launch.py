@@ -63,17 +63,19 @@ def test_equals_the_two_launches_bit_for_bit(h, e, i, k, extra, dtype):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA graph needs CUDA (the interpreter runs programs one by one)")
-def test_counters_survive_graph_replays():
+@pytest.mark.parametrize("acquire", [False, True], ids=["volatile_poll", "acquire_poll"])
+def test_counters_survive_graph_replays(acquire):
     """Programs really run concurrently here, at Kimi's shapes (256 experts + the shared one, 2304 x 1024): the
-    down programs wait inside the launch for their slot's gate-up programs, which wait for the router's; every
-    replay with a new token equals the two launches and leaves the counters at 0."""
+    down programs wait inside the launch for their slot's gate-up programs, which wait for the router's (the flag
+    polled with volatile or acquire loads); every replay with a new token equals the two launches and leaves the
+    counters at 0."""
     x, w, bias, w13, w2, residual, norm_w = _inputs(2304, 256, 1024, True, torch.bfloat16, seed=3)
     sync = LaunchTicket(SYNC_SIZE).get(x.device)
     args = (bias, 8, True, 2.446, w13, w2, residual, norm_w, 1e-6)
-    route_gate_up_down_norm(x, w, sync, *args, extra_expert=256)  # compile first
+    route_gate_up_down_norm(x, w, sync, *args, extra_expert=256, acquire=acquire)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = route_gate_up_down_norm(x, w, sync, *args, extra_expert=256)
+        got = route_gate_up_down_norm(x, w, sync, *args, extra_expert=256, acquire=acquire)
     gen = torch.Generator(device=x.device).manual_seed(11)
     for _ in range(50):
         x.copy_(torch.randn(x.shape, generator=gen, device=x.device).to(x))

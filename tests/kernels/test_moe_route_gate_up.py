@@ -75,9 +75,9 @@ def test_route_split_from_env(monkeypatch):
     assert route_split_from_env() == SPLIT_K
     monkeypatch.setenv("TANDEM_MOE_ROUTE_SPLIT", " 1024 ")
     assert route_split_from_env() == 1024
-    for bad in ("8", "100", "-16", "x", "16.0"):
+    for bad in ("8", "100", "-16", "x", "16.0", "8192", "\u00b2"):
         monkeypatch.setenv("TANDEM_MOE_ROUTE_SPLIT", bad)
-        with pytest.raises(ValueError, match="TANDEM_MOE_ROUTE_SPLIT must be a power of two >= 16"):
+        with pytest.raises(ValueError, match="TANDEM_MOE_ROUTE_SPLIT must be a power of two from 16 to 4096"):
             route_split_from_env()
 
 
