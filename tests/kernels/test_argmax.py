@@ -90,6 +90,7 @@ def test_validates():
         argmax_rows(logits[:, :0])
 
 
+@pytest.mark.skipif(ON_CUDA, reason="records interpreted launches; on a GPU the tests above run both forms")
 @pytest.mark.parametrize("one_launch", ["0", "1"])
 def test_greedy_backend_takes_the_one_launch_form_when_asked(monkeypatch, one_launch):
     from engine.backends.greedy import TritonGreedy
