@@ -87,7 +87,7 @@ class GPUMoEBackend(MoEBackend):
         # the down programs in that launch too: the whole block one launch (+75 us a b1 step on an H100: off)
         self.block_one_launch = os.environ.get("TANDEM_MOE_BLOCK_ONE_LAUNCH", "0").strip() == "1"
         self.route_split = route_split_from_env()
-        acquire_poll_from_env()  # a bad TANDEM_MOE_ROUTE_ACQUIRE_POLL fails here, not as a fallback mid-run
+        self.route_acquire = acquire_poll_from_env()  # read here: a bad value fails at start, not as a fallback
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -215,10 +215,11 @@ class GPUMoEBackend(MoEBackend):
                     return route_gate_up_down_norm(
                         x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, w2,
                         an.residual, an.weight, an.eps, extra_expert, split=self.route_split,
+                        acquire=self.route_acquire,
                     )  # fmt: skip
                 weights, ids, a = route_gate_up(
                     x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert,
-                    split=self.route_split, slot_words=self.route_slot_words,
+                    split=self.route_split, slot_words=self.route_slot_words, acquire=self.route_acquire,
                 )  # fmt: skip
                 return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket)
             except Exception as err:  # the routing's own launch from here on

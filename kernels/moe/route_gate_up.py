@@ -389,10 +389,4 @@ def route_then_gate_up(
     return weights, ids, a
 
 
-__all__ = [
-    "MAX_ROUTED",
-    "SYNC_SIZE",
-    "route_gate_up",
-    "route_gate_up_down_norm",
-    "route_then_gate_up",
-]
+__all__ = ["MAX_ROUTED", "SYNC_SIZE", "route_gate_up", "route_gate_up_down_norm", "route_then_gate_up"]

@@ -20,6 +20,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -135,6 +136,14 @@ def compile_errors(launches: set[Launch] | list[Launch], timeout: float = 600.0)
     if proc.returncode != 0:
         return [f"the compile process failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_LOOP = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
+
+
+def loop_bodies(ptx: str) -> list[str]:
+    """The bodies of PTX blocks that branch back to their own label with no label between: a wait's poll loop."""
+    return [m.group(2) for m in _LOOP.finditer(ptx)]
 
 
 def ptx_of(launch: Launch, timeout: float = 300.0) -> str:

@@ -5,7 +5,6 @@ combine + residual add + next norm) in one launch, against the two launches it r
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from kernels.moe.route_gate_up import MAX_ROUTED, SYNC_SIZE, route_gate_up, rout
 from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
-from tests.kernels.sm90_compile import Launch, compile_errors, ptx_of, record_launches
+from tests.kernels.sm90_compile import Launch, compile_errors, loop_bodies, ptx_of, record_launches
 from tests.kernels.test_moe_route_gate_up import _inputs as route_gate_up_inputs
 
 
@@ -133,9 +132,7 @@ def test_compiles_for_sm90_and_both_waits_poll_with_volatile_loads():
     launches = sorted(seen, key=str)
     assert len(launches) == 1
     assert compile_errors(launches) == []
-    # a block that branches back to its own label with a volatile load inside (no label between)
-    loop = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
-    bodies = [m.group(2) for m in loop.finditer(ptx_of(launches[0]))]
+    bodies = loop_bodies(ptx_of(launches[0]))
     assert sum("ld.volatile.global" in b for b in bodies) >= 2, "a wait is not a loop of volatile loads"
 
 

@@ -5,7 +5,6 @@ counters across launches and graph replays; bad input."""
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from kernels.moe.router import SPLIT_K, route_split_from_env
 from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.one_row_engine import one_row_launches
-from tests.kernels.sm90_compile import compile_errors, ptx_of, record_launches
+from tests.kernels.sm90_compile import compile_errors, loop_bodies, ptx_of, record_launches
 
 
 def _inputs(h: int, e: int, i: int, extra: bool, dtype: torch.dtype, seed: int, device=DEVICE):
@@ -161,10 +160,8 @@ def test_both_forms_compile_for_sm90_and_poll_with_volatile_loads():
     launches = sorted(seen, key=str)
     assert len(launches) == 2
     assert compile_errors(launches) == []
-    # a block that branches back to its own label with a volatile load inside (no label between)
-    loop = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
     for launch in launches:
-        bodies = [m.group(2) for m in loop.finditer(ptx_of(launch))]
+        bodies = loop_bodies(ptx_of(launch))
         assert any("ld.volatile.global" in b for b in bodies), "the poll is not a loop of volatile loads"
 
 
@@ -184,8 +181,7 @@ def test_acquire_polls_compile_for_sm90_as_a_loop_of_acquire_loads():
     )
     assert compile_errors([on]) == []
     ptx, ptx_off = ptx_of(on), ptx_of(plain)
-    loop = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n((?:(?!\$L__BB).)*?)bra\s+\1;", re.DOTALL)
-    assert any("ld.acquire.gpu" in m.group(2) for m in loop.finditer(ptx)), "the poll is not a loop of acquire loads"
+    assert any("ld.acquire.gpu" in b for b in loop_bodies(ptx)), "the poll is not a loop of acquire loads"
     assert "ld.acquire.gpu" not in ptx_off
     assert "ld.global.gpu.acquire" in ptx_off and "ld.global.gpu.acquire" not in ptx
     assert "ld.volatile.global" in ptx_off and "ld.volatile.global" not in ptx
