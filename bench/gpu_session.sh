@@ -108,8 +108,10 @@
 #                                            # router in longer column ranges (TANDEM_MOE_ROUTE_SPLIT 512 / 1024 /
 #                                            # 2048), the argmax in one launch (TANDEM_ARGMAX_ONE_LAUNCH=1) and the
 #                                            # routed programs polling the flag with acquire loads
-#                                            # (TANDEM_MOE_ROUTE_ACQUIRE_POLL=1), a process each, RUNS times (2: ~8
-#                                            # min warm, a call of its own; the MoE down's 64 columns: 39th session)
+#                                            # (TANDEM_MOE_ROUTE_ACQUIRE_POLL=1), the MoE down launch's two-level
+#                                            # combine + norm tail (TANDEM_MOE_DOWN_TILE_TICKETS=1), a process each,
+#                                            # RUNS times (2: ~9 min warm, a call of its own; the MoE down's 64
+#                                            # columns: 39th session)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -298,7 +300,7 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
   ticket-tiles) g="TANDEM_GEMV_ONE_ROW_TILES=2304x4096"; d="2304x9216"
     for i in $(seq "${RUNS:-2}"); do for v in "" "$g=16/1024/8/3,$d=16/1024/8/3" "$g=16/512/8/3,$d=16/512/8/3" \
         TANDEM_MOE_ROUTE_SPLIT=512 TANDEM_MOE_ROUTE_SPLIT=1024 TANDEM_MOE_ROUTE_SPLIT=2048 TANDEM_ARGMAX_ONE_LAUNCH=1 \
-        TANDEM_MOE_ROUTE_ACQUIRE_POLL=1; do
+        TANDEM_MOE_ROUTE_ACQUIRE_POLL=1 TANDEM_MOE_DOWN_TILE_TICKETS=1; do
       echo "== ${v:-defaults}, run $i"
       env $v timeout 180 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 \
         | grep "a step" || echo "failed or timed out: ${v:-defaults}"; done; done \

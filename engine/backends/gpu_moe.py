@@ -17,7 +17,12 @@ from kernels.moe.combine import moe_combine_auto
 from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_norm
 from kernels.moe.decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from kernels.moe.decode import moe_experts_decode
-from kernels.moe.down_norm import down_combine_norm, moe_experts_decode_add_norm
+from kernels.moe.down_norm import (
+    DOWN_NORM_TICKET_WORDS,
+    down_combine_norm,
+    moe_experts_decode_add_norm,
+    tile_tickets_from_env,
+)
 from kernels.moe.flag_wait import acquire_poll_from_env
 from kernels.moe.grouped import grouped_mm_supported, grouped_moe
 from kernels.moe.prefill import moe_experts_prefill
@@ -88,6 +93,7 @@ class GPUMoEBackend(MoEBackend):
         self.block_one_launch = os.environ.get("TANDEM_MOE_BLOCK_ONE_LAUNCH", "0").strip() == "1"
         self.route_split = route_split_from_env()
         self.route_acquire = acquire_poll_from_env()  # read here: a bad value fails at start, not as a fallback
+        self.down_tile_tickets = tile_tickets_from_env()  # the down launch's two-level combine + norm tail
         if router_gemv is None:
             router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
         self.router_gemv = router_gemv
@@ -100,6 +106,7 @@ class GPUMoEBackend(MoEBackend):
         # the launches whose last program finishes the work (the router + top-k, the down + combine + norm):
         # serial on the step's stream, each leaves it at 0
         self._ticket = LaunchTicket()
+        self._down_ticket = LaunchTicket(DOWN_NORM_TICKET_WORDS)  # the down + norm's, with its column-tile words
         self._sync = LaunchTicket(SYNC_SIZE)  # kernels/moe/route_gate_up.py's counters
         self._decode_failed = False
         self._prefill_failed = False
@@ -151,6 +158,7 @@ class GPUMoEBackend(MoEBackend):
         if self._router_kernels_take(x, weight) and x.ndim == 2:
             ticket = self._ticket.get(x.device)
             self._sync.get(x.device)  # made here too, eagerly: one-token steps may be captured at once
+            self._down_ticket.get(x.device)
             if 0 < x.shape[0] <= self.fused_route_rows and x.dtype == weight.dtype:
                 return router_route(
                     x, weight, ticket, correction_bias, top_k, renormalize, scaling_factor, extra_expert=extra_expert
@@ -210,7 +218,7 @@ class GPUMoEBackend(MoEBackend):
         if on and fits and self._router_kernels_take(x, router_weight):
             try:
                 x_row = x if x.stride(1) == 1 else x.contiguous()
-                sync, ticket = self._sync.get(x.device), self._ticket.get(x.device)
+                sync, ticket = self._sync.get(x.device), self._down_ticket.get(x.device)
                 if self.block_one_launch and not self.route_slot_words:
                     return route_gate_up_down_norm(
                         x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, w2,
@@ -221,7 +229,10 @@ class GPUMoEBackend(MoEBackend):
                     x_row, router_weight, sync, correction_bias, top_k, renormalize, scaling_factor, w13, extra_expert,
                     split=self.route_split, slot_words=self.route_slot_words, acquire=self.route_acquire,
                 )  # fmt: skip
-                return down_combine_norm(a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket)
+                return down_combine_norm(
+                    a, ids.reshape(-1), w2, weights, an.residual, an.weight, an.eps, ticket,
+                    tile_tickets=self.down_tile_tickets,
+                )  # fmt: skip
             except Exception as err:  # the routing's own launch from here on
                 self.route_gate_up = False
                 fall_back("MoE route + gate-up launch", "one-token steps route in a launch of their own", err)
@@ -245,10 +256,11 @@ class GPUMoEBackend(MoEBackend):
         try:
             x_row = x if x.stride(1) == 1 else x.contiguous()
             if self.down_norm:  # the combine + norm in the down launch's last program
-                ticket = self._ticket.get(x.device)
+                ticket = self._down_ticket.get(x.device)
                 return moe_experts_decode_add_norm(
-                    x_row, w13, w2, ids.reshape(-1), weights, an.residual, an.weight, an.eps, ticket
-                )
+                    x_row, w13, w2, ids.reshape(-1), weights, an.residual, an.weight, an.eps, ticket,
+                    tile_tickets=self.down_tile_tickets,
+                )  # fmt: skip
             y = moe_experts_decode(x_row, None, w13, w2, ids=ids.reshape(-1))
             return moe_combine_add_norm(y, None, weights, an.residual, an.weight, an.eps, x.dtype)
         except Exception as err:  # as in experts: the grouped path for good, the norm in torch after it

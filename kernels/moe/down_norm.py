@@ -9,6 +9,15 @@ program that draws the last ticket has seen every expert's every column: it runs
 (``combine_add_norm_row``, reading the expert outputs past L1: other SMs wrote them) and puts the ticket back to 0
 for the next launch — the pattern of kernels/gemv/norm_after.py and kernels/moe/route_fused.py.
 
+With column-tile tickets (``tile_tickets``, ``TANDEM_MOE_DOWN_TILE_TICKETS=1``) the tail is two levels: each column
+tile has a ticket word of its own, and the program that draws its tile's last one (every expert's columns there
+are stored) runs that tile's combine + add, storing the fp32 sum; then it takes the launch's ticket, and the last
+of those programs only reads the row's fp32 sums back for the norm. Why: the single last program read k rows of
+H from L2 and summed them alone after every other program had finished (~4.7 us of the launch on the H200,
+thirty-sixth session); the tiles' combines now run in parallel, inside the launch's stream of weights. The bits
+are the one-level form's: each column's sum is the same arithmetic, and the norm reduces the same fp32 values in
+the same layout.
+
 The expert outputs are the two-launch path's bits (the same down programs). The combine + add + norm is the same
 arithmetic as ``moe_combine_add_norm``, but its row's sum of squares is reduced in the down launch's thread layout
 (4 warps at one token, where the separate launch takes 8), so the norm may differ from it by an fp32 rounding.
@@ -16,10 +25,13 @@ arithmetic as ``moe_combine_add_norm``, but its row's sum of squares is reduced 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.moe.combine import weighted_expert_sum
 from kernels.moe.combine_norm import combine_add_norm_row
 from kernels.moe.decode import decode_tiles, down_norm_tiles, down_program, launch_gate_up
 from kernels.moe.tiles import GemmTiles
@@ -38,7 +50,8 @@ def _down_combine_norm_kernel(
     NORM_W,  # [H]
     OUT,  # [1, H] the norm's output
     RES_OUT,  # [1, H] residual + the combine's output
-    TICKET,  # [1] int32, 0 on entry and on exit
+    TICKET,  # [1] int32 (TILE_TICKETS: [1 + column tiles]), 0 on entry and on exit
+    XSUM,  # [H] fp32 scratch: residual + the combine's output (TILE_TICKETS)
     H,
     INTER,
     eps,
@@ -53,6 +66,7 @@ def _down_combine_norm_kernel(
     PREC: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= H
+    TILE_TICKETS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -62,13 +76,61 @@ def _down_combine_norm_kernel(
     )  # fmt: skip
     # every thread's stores of Y come before the ticket's release (the one-thread atomic after the barrier)
     tl.debug_barrier()
-    ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
-    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: every expert output is stored
-        tl.debug_barrier()
-        combine_add_norm_row(
-            Y, IDS, RW, RESIDUAL, NORM_W, OUT, RES_OUT, 0, H, eps, stride_y, 0, 0, 0, TOP_K, True, BLOCK_H, ".cg"
+    if TILE_TICKETS:
+        _tile_combine_then_norm(
+            Y, RW, RESIDUAL, NORM_W, OUT, RES_OUT, TICKET, XSUM, H, eps, stride_y, BLOCK_N, TOP_K, BLOCK_H
         )
-        tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")  # no program of this launch touches it again
+    else:
+        ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:  # the last program: every expert output is stored
+            tl.debug_barrier()
+            combine_add_norm_row(
+                Y, IDS, RW, RESIDUAL, NORM_W, OUT, RES_OUT, 0, H, eps, stride_y, 0, 0, 0, TOP_K, True, BLOCK_H, ".cg"
+            )
+            tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")  # no program of this launch touches it again
+
+
+@triton.jit
+def _tile_combine_then_norm(
+    Y, RW, RESIDUAL, NORM_W, OUT, RES_OUT, TICKET, XSUM, H, eps, stride_y,
+    BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """The two-level tail: this column tile's last program combines + adds its columns (``combine_add_norm_row``'s
+    arithmetic, column by column), the last such program norms the row from the fp32 sums."""
+    i_n = tl.program_id(1)
+    tile_ticket = tl.atomic_add(TICKET + 1 + i_n, 1, sem="acq_rel", scope="gpu")
+    if tile_ticket == tl.num_programs(0) - 1:  # every expert's columns of this tile are stored
+        tl.debug_barrier()
+        cols = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = cols < H
+        acc = weighted_expert_sum(Y, RW, RW, 0, cols, m, stride_y, TOP_K, True, ".cg")
+        x = acc.to(OUT.dtype.element_ty).to(tl.float32)
+        x += tl.load(RESIDUAL + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(RES_OUT + cols, x.to(RES_OUT.dtype.element_ty), mask=m)
+        tl.store(XSUM + cols, x, mask=m)
+        tl.atomic_xchg(TICKET + 1 + i_n, 0, sem="relaxed", scope="gpu")  # its tile's programs are all past it
+        tl.debug_barrier()  # every thread's stores of XSUM before the release
+        ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(1) - 1:  # every tile's sums are stored
+            tl.debug_barrier()
+            cols_h = tl.arange(0, BLOCK_H)
+            m_h = cols_h < H
+            xh = tl.load(XSUM + cols_h, mask=m_h, other=0.0, cache_modifier=".cg")
+            rstd = 1 / tl.sqrt(tl.sum(xh * xh, axis=0) / H + eps)
+            nw = tl.load(NORM_W + cols_h, mask=m_h, other=0.0).to(tl.float32)
+            tl.store(OUT + cols_h, (xh * rstd * nw).to(OUT.dtype.element_ty), mask=m_h)
+            tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")
+
+
+DOWN_NORM_TICKET_WORDS = 1 + 1024  # the launch's ticket + a word a column tile (H <= 1024 x BLOCK_N)
+
+
+def tile_tickets_from_env() -> bool:
+    """``TANDEM_MOE_DOWN_TILE_TICKETS``: "1" runs the two-level tail, "0" (the default) the one last program."""
+    value = os.environ.get("TANDEM_MOE_DOWN_TILE_TICKETS", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"TANDEM_MOE_DOWN_TILE_TICKETS must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def moe_experts_decode_add_norm(
@@ -83,6 +145,7 @@ def moe_experts_decode_add_norm(
     ticket: torch.Tensor,
     gate_up: GemmTiles | None = None,
     down: GemmTiles | None = None,
+    tile_tickets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token x [1, H] through its k distinct experts ids [k] (w13 [E, 2I, H], w2 [E, H, I]), combined with
     weights [1, k], added to residual [1, H] and normed by norm_weight [H] -> (the norm's output [1, H] in x's
@@ -103,7 +166,7 @@ def moe_experts_decode_add_norm(
     dot_f32, prec = dot_config(x.dtype)
     blocks = dict(DOT_F32=dot_f32, PREC=prec, COMPACT=False, PAIR_ROWS=True)
     launch_gate_up(x, ids, ids, ids, ids, w13, a, k, gate_up or decode_tiles(1)[0], blocks)
-    return down_combine_norm(a, ids, w2, weights, residual, norm_weight, eps, ticket, down)
+    return down_combine_norm(a, ids, w2, weights, residual, norm_weight, eps, ticket, down, tile_tickets)
 
 
 def down_combine_norm(
@@ -116,10 +179,13 @@ def down_combine_norm(
     eps: float,
     ticket: torch.Tensor,
     down: GemmTiles | None = None,
+    tile_tickets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The down launch of one token's k experts from their silu(gate) * up rows a [k, I] (pair order) -> (the
     norm's output [1, H] in a's dtype, the new residual [1, H]); ids [k] int64 (distinct), the rest as
-    ``moe_experts_decode_add_norm`` takes them; down: the launch's tiles (None: ``down_norm_tiles()``)."""
+    ``moe_experts_decode_add_norm`` takes them; down: the launch's tiles (None: ``down_norm_tiles()``);
+    tile_tickets: the two-level tail, which needs a ticket of 1 + cdiv(H, block_n) words (DOWN_NORM_TICKET_WORDS
+    covers H <= 1024 x block_n)."""
     check_device("down_combine_norm", a, ids, w2, weights, residual, norm_weight, ticket)
     k, i = a.shape
     h = w2.shape[1]
@@ -131,21 +197,23 @@ def down_combine_norm(
             f"weights [1, {k}], residual [1, {h}], norm_weight [{h}]; got {tuple(weights.shape)}, "
             f"{tuple(residual.shape)}, {tuple(norm_weight.shape)}"
         )
-    if ticket.shape != (1,) or ticket.dtype != torch.int32:
-        raise ValueError(f"ticket must be an int32 [1], got {ticket.dtype} {tuple(ticket.shape)}")
-    residual = residual if residual.stride(1) == 1 else residual.contiguous()
     down = down or down_norm_tiles()
+    words = 1 + triton.cdiv(h, down.block_n) if tile_tickets else 1
+    if ticket.ndim != 1 or ticket.numel() < words or ticket.dtype != torch.int32 or not ticket.is_contiguous():
+        raise ValueError(f"ticket must be a contiguous int32 [>= {words}], got {ticket.dtype} {tuple(ticket.shape)}")
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
     y = torch.empty(k, h, dtype=a.dtype, device=a.device)
     out = torch.empty(1, h, dtype=a.dtype, device=a.device)
     res_out = torch.empty(1, h, dtype=residual.dtype, device=a.device)
+    xsum = torch.empty(h if tile_tickets else 1, dtype=torch.float32, device=a.device)
     dot_f32, prec = dot_config(a.dtype)
     _down_combine_norm_kernel[(k, triton.cdiv(h, down.block_n))](
-        a, ids, w2, y, weights.contiguous(), residual, norm_weight.contiguous(), out, res_out, ticket, h, i,
+        a, ids, w2, y, weights.contiguous(), residual, norm_weight.contiguous(), out, res_out, ticket, xsum, h, i,
         float(eps), a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), DOT_F32=dot_f32, PREC=prec,
         BLOCK_M=down.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k, TOP_K=k, BLOCK_H=next_pow2(h),
-        num_warps=down.num_warps, num_stages=down.num_stages, **pdl_kwargs(a, "moe.down"),
+        TILE_TICKETS=tile_tickets, num_warps=down.num_warps, num_stages=down.num_stages, **pdl_kwargs(a, "moe.down"),
     )  # fmt: skip
     return out, res_out
 
 
-__all__ = ["down_combine_norm", "moe_experts_decode_add_norm"]
+__all__ = ["DOWN_NORM_TICKET_WORDS", "down_combine_norm", "moe_experts_decode_add_norm", "tile_tickets_from_env"]
