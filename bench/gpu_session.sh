@@ -102,16 +102,18 @@
 #                                            # bench/moe_route_gate_up.py (--copies 8; rows for the wait's knobs,
 #                                            # kernels/moe/block_down.py), b1 at 4k / 32k with it 0 / 1, twice, then
 #                                            # the one-row agreement with it on (slower on an H100: off, 38th session)
-#   bash bench/gpu_session.sh ticket-tiles   # 1 x H200: b1 at 4k / 32k with the launches that take a ticket in every
-#                                            # program in fewer programs: the o_proj / dense down GEMVs at 16 rows a
-#                                            # program (TANDEM_GEMV_ONE_ROW_TILES) and the fused route + gate-up's
-#                                            # router in longer column ranges (TANDEM_MOE_ROUTE_SPLIT 512 / 1024 /
-#                                            # 2048), the argmax in one launch (TANDEM_ARGMAX_ONE_LAUNCH=1) and the
-#                                            # routed programs polling the flag with acquire loads
-#                                            # (TANDEM_MOE_ROUTE_ACQUIRE_POLL=1), the MoE down launch's two-level
-#                                            # combine + norm tail (TANDEM_MOE_DOWN_TILE_TICKETS=1), a process each,
-#                                            # RUNS times (2: ~9 min warm, a call of its own; the MoE down's 64
-#                                            # columns: 39th session)
+#   bash bench/gpu_session.sh ticket-tiles   # 1 x H200: b1 at 4k / 32k with the defaults and the three same-bits knobs
+#                                            # of the launches that take tickets, each alone and together: the MoE
+#                                            # down's two-level tail (TANDEM_MOE_DOWN_TILE_TICKETS=1), the routed
+#                                            # programs polling with acquire loads (TANDEM_MOE_ROUTE_ACQUIRE_POLL=1),
+#                                            # the argmax in one launch (TANDEM_ARGMAX_ONE_LAUNCH=1); a process each,
+#                                            # RUNS times (2: ~6 min warm). The GEMV tiles (TANDEM_GEMV_ONE_ROW_TILES)
+#                                            # and router splits (TANDEM_MOE_ROUTE_SPLIT) left it: 8-70 us slower on
+#                                            # an H100 (40th session)
+#   bash bench/gpu_session.sh in-proj-conv   # 1 x H200: a KDA layer's in_proj GEMV and short conv in one launch at one
+#                                            # token (TANDEM_KDA_IN_PROJ_CONV, 40th session): its tests (graph
+#                                            # replays bit for bit the two launches), b1 at 4k / 32k with it 0 / 1,
+#                                            # RUNS times (2), then the one-row agreement with it on (~6 min warm)
 #   bash bench/gpu_session.sh pdl-check [ARGS] # 1 x H200: every TANDEM_PDL family against PDL off, logits bit for bit
 #                                            # in every decode mode, one process a setting (bench/pdl_check.py)
 #   bash bench/gpu_session.sh pdl FAMILY...  # 1 x H200: the one-row agreement with TANDEM_PDL=FAMILY for each family
@@ -144,7 +146,7 @@ if [ -z "${TANDEM_FLASHMLA_SO:-}" ] && [ -f /tmp/fbuild/tandem_flashmla.so ]; th
   export TANDEM_FLASHMLA_SO=/tmp/fbuild/tandem_flashmla.so
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|block-one-launch|ticket-tiles|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
+step="${1:?usage: bash bench/gpu_session.sh setup|mid-tandem|mid-hf|par-kimi-a|par-kimi-b|par-qwen|pcp-check|pcp-trace|mla-sweep|flashmla|mla-prefill|moe-decode|moe-prefill|moe-prefill-ab|moe-glue|prefill-cuts|moe-tma|moe-down-tma|kda-gate-ab|residual-ab|launch-cuts|launch-cuts-ab|decode-timeline-ab|env-ab|overlap-check|gemv|one-row|one-row-ab|moe-one-row|fused-route|combine-norm|l2-prefetch|b1-cuts|b1-cuts-33|pdl-prefetch|route-words|block-one-launch|ticket-tiles|in-proj-conv|pdl-check|pdl|op-sites|layout-graphs|conv-sweep|prefill-host|prefill-graphs|producer|handoff}"
 shift
 case "$step" in
   setup) if [ ! -d /tmp/site/fla ]; then pip install -q --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl; fi
@@ -297,14 +299,22 @@ write_mid_model(Path('/tmp/tandem-mid-kimi-8l'), MidSpec('kimi_linear', 8, False
       | tee "$OUT/block_one_launch_ab.txt"
     TANDEM_MOE_BLOCK_ONE_LAUNCH=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 \
       --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/agreement_block_one_launch.txt" ;;
-  ticket-tiles) g="TANDEM_GEMV_ONE_ROW_TILES=2304x4096"; d="2304x9216"
-    for i in $(seq "${RUNS:-2}"); do for v in "" "$g=16/1024/8/3,$d=16/1024/8/3" "$g=16/512/8/3,$d=16/512/8/3" \
-        TANDEM_MOE_ROUTE_SPLIT=512 TANDEM_MOE_ROUTE_SPLIT=1024 TANDEM_MOE_ROUTE_SPLIT=2048 TANDEM_ARGMAX_ONE_LAUNCH=1 \
-        TANDEM_MOE_ROUTE_ACQUIRE_POLL=1 TANDEM_MOE_DOWN_TILE_TICKETS=1; do
+  ticket-tiles) three="TANDEM_MOE_DOWN_TILE_TICKETS=1 TANDEM_MOE_ROUTE_ACQUIRE_POLL=1 TANDEM_ARGMAX_ONE_LAUNCH=1"
+    for i in $(seq "${RUNS:-2}"); do for v in "" TANDEM_MOE_DOWN_TILE_TICKETS=1 TANDEM_MOE_ROUTE_ACQUIRE_POLL=1 \
+        TANDEM_ARGMAX_ONE_LAUNCH=1 "$three"; do
       echo "== ${v:-defaults}, run $i"
       env $v timeout 180 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 2>&1 \
         | grep "a step" || echo "failed or timed out: ${v:-defaults}"; done; done \
       | tee "$OUT/ticket_tiles_ab.txt" ;;
+  in-proj-conv) python -m pytest -q -p no:cacheprovider tests/kernels/test_in_proj_conv.py \
+      tests/kernels/test_short_conv_low_rank.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_in_proj_conv.txt"
+    for i in $(seq "${RUNS:-2}"); do for v in 0 1; do
+      echo "== TANDEM_KDA_IN_PROJ_CONV=$v, run $i"
+      TANDEM_KDA_IN_PROJ_CONV=$v timeout 180 python -m bench.decode_timeline --ctx 4096 32768 --batches 1 --steps 20 \
+        2>&1 | grep "a step" || echo "failed or timed out: TANDEM_KDA_IN_PROJ_CONV=$v"; done; done \
+      | tee "$OUT/in_proj_conv_ab.txt"
+    TANDEM_KDA_IN_PROJ_CONV=1 python -m bench.gpu_agreement --arch kimi_linear --preset mla512 --prompts 16 \
+      --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | tail -3 | tee "$OUT/agreement_in_proj_conv.txt" ;;
   pdl-check) python -m bench.pdl_check --drill "$@" 2>&1 | grep -v -i warn | tee "$OUT/pdl_check.txt" ;;
   pdl) for fam in "$@"; do echo "== TANDEM_PDL=$fam"; TANDEM_PDL=$fam python -m bench.gpu_agreement --arch kimi_linear \
       --preset mla512 --prompts 16 --tokens 128 --one-at-a-time 2>&1 | grep -v -i warn | grep "one at a time\|Error" \

@@ -189,6 +189,25 @@ class KDABackend(ABC):
         args = (g_raw, a_log, dt_bias, beta_logits, state_cache, batch)
         return self.gated_conv_recurrence(qkv, conv_cache, conv_weight, *args), out_gate
 
+    def project_low_rank_conv_recurrence(
+        self,
+        x: torch.Tensor,
+        in_proj_weight: torch.Tensor,
+        conv_channels: int,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        fg_b: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``low_rank_conv_recurrence`` of x [T, hidden] through in_proj_weight (q | k | v in its first
+        conv_channels rows, then f_a | g_a, then beta's logits) where the backend runs the projection inside the
+        conv's launch (the GPU backend at one-token steps: kernels/short_conv/in_proj_conv.py) -> (o, out_gate);
+        None: it does not, and the caller projects first."""
+        return None
+
     @abstractmethod
     def recurrence(
         self,

@@ -28,9 +28,10 @@ from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
+from kernels.short_conv.in_proj_conv import SYNC_WORDS, in_proj_conv, in_proj_conv_from_env
 from kernels.short_conv.planes import conv_planes
 from kernels.short_conv.triton import LowRankUp, short_conv_update, write_windows
-from kernels.triton_utils import is_interpreting
+from kernels.triton_utils import LaunchTicket, is_interpreting
 from kernels.upload import StaticUploads
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class GPUKDABackend(KDABackend):
             planes_min_len = PLANES_MIN_LEN
         self.planes_min_len = planes_min_len
         """Shortest chunk that takes ``conv_planes`` (None: never; tests set it)."""
+        self.in_proj_conv = in_proj_conv_from_env()
+        """One-token steps: in_proj's GEMV and the conv in one launch (``project_low_rank_conv_recurrence``)."""
+        self._in_proj_sync = LaunchTicket(SYNC_WORDS)
         self._step = PerStep()
         self._fused_gate: Callable | None = None  # fla's, looked up on the first CUDA call (not per layer)
         self._fla_conv_failed = False
@@ -279,6 +283,8 @@ class GPUKDABackend(KDABackend):
         extra programs of the conv's launch, then fla's recurrent kernel with the raw gate as
         ``gated_conv_recurrence`` gives it; other steps as the base."""
         t, h = beta_logits.shape
+        if self.in_proj_conv:  # its counters made here, eagerly (a prefill comes before any decode capture)
+            self._in_proj_sync.get(qkv.device)
         m = self._meta(batch, qkv.device)
         take = self.decode_gate_in_kernel and m.all_decode and 0 < t <= self.low_rank_max_rows
         if not take or fg_a.stride(2) != 1 or fg_b.stride(2) != 1 or fg_a.dtype != fg_b.dtype:
@@ -289,6 +295,43 @@ class GPUKDABackend(KDABackend):
         q, k, v = (z.reshape(t, h, -1) for z in (y if isinstance(y, tuple) else y.unbind(0)))
         gate = (a_log, dt_bias)
         o = self.recurrence(q, k, v, up[0].view(t, h, -1), beta_logits, state_cache, batch, gate=gate, beta_logits=True)
+        return o, up[1]
+
+    def project_low_rank_conv_recurrence(
+        self,
+        x: torch.Tensor,
+        in_proj_weight: torch.Tensor,
+        conv_channels: int,
+        conv_cache: torch.Tensor,
+        conv_weight: torch.Tensor,
+        fg_b: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One-token all-decode steps with ``TANDEM_KDA_IN_PROJ_CONV=1``: in_proj's GEMV and the conv (with the
+        up-projections) in one launch, then the recurrence as ``low_rank_conv_recurrence`` runs it; else None."""
+        if not self.in_proj_conv or x.shape[0] != 1 or not self.decode_gate_in_kernel or self.low_rank_max_rows < 1:
+            return None
+        m = self._meta(batch, x.device)
+        if not m.all_decode or getattr(m, "conv_cks", ()) or x.dtype != in_proj_weight.dtype or x.stride(1) != 1:
+            return None
+        try:
+            sync = self._in_proj_sync.get(x.device)
+            packed, y, up = in_proj_conv(
+                x, in_proj_weight, conv_channels, conv_weight.contiguous(), conv_cache, m.slots, fg_b, sync,
+                query_start_loc=m.qsl, has_initial_state=m.has_init,
+            )  # fmt: skip
+        except Exception as err:  # the two launches from here on
+            self.in_proj_conv = False
+            fall_back("KDA in_proj + conv launch", "one-token steps project, then run the conv", err)
+            return None
+        h = a_log.numel()
+        q, k, v = (z.reshape(1, h, -1) for z in y.unbind(0))
+        beta_logits = packed[:, conv_channels + 2 * fg_b.shape[2] :]
+        gate = (a_log, dt_bias)
+        o = self.recurrence(q, k, v, up[0].view(1, h, -1), beta_logits, state_cache, batch, gate=gate, beta_logits=True)
         return o, up[1]
 
     def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: KDAStep | KDADecodeStep, head_dim: int) -> bool:

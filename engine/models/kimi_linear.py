@@ -117,14 +117,22 @@ class KimiDeltaAttention(nn.Module):
         # (inside its decode kernel on the GPU)
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
-            packed = x if projected else self.in_proj(x, be)
-            be.l2.weights(t, self.o_proj.weight)  # read after the conv and the recurrence, which leave HBM idle
-            qkv, fg_a, b = packed.split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
-            # f_a | g_a [T, 2, K] (a strided view, read in place) through f_b | g_b [2, P, K]: g_raw | the output gate
-            o, out_gate = be.kda.low_rank_conv_recurrence(
-                qkv, conv, self.conv_weight(), fg_a.view(t, 2, hd), self.fg_b, self.A_log, self.dt_bias, b, state,
-                batch,
+            # one-token GPU steps may run in_proj inside the conv's launch (TANDEM_KDA_IN_PROJ_CONV)
+            both = None if projected else be.kda.project_low_rank_conv_recurrence(
+                x, self.in_proj.weight, p3, conv, self.conv_weight(), self.fg_b, self.A_log, self.dt_bias, state, batch
             )  # fmt: skip
+            if both is not None:
+                be.l2.weights(t, self.o_proj.weight)
+                o, out_gate = both
+            else:
+                packed = x if projected else self.in_proj(x, be)
+                be.l2.weights(t, self.o_proj.weight)  # read after the conv and the recurrence, which leave HBM idle
+                qkv, fg_a, b = packed.split([p3, 2 * hd, h], dim=-1)  # column views of one [T, 3P+2K+H]
+                # f_a | g_a [T, 2, K] (a strided view, read in place) through f_b | g_b [2, P, K]: g_raw | out gate
+                o, out_gate = be.kda.low_rank_conv_recurrence(
+                    qkv, conv, self.conv_weight(), fg_a.view(t, 2, hd), self.fg_b, self.A_log, self.dt_bias, b,
+                    state, batch,
+                )  # fmt: skip
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
             f_a, g_a, b = self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)

@@ -87,6 +87,30 @@ def one_row_tile_overrides() -> dict[tuple[int, int], GemvTile]:
 
 
 @triton.jit
+def one_row_block(
+    X, W, Y, i_n, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+):  # fmt: skip
+    """Weight rows [i_n * BLOCK_N, +BLOCK_N) of the one-row GEMV: fp32 products accumulated elementwise over K in
+    BLOCK_K steps, reduced once, stored in Y's dtype (also the first part of kernels/short_conv/in_proj_conv.py)."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    # rows past N read row N - 1 (their results are not stored), so the weight loads need no row mask
+    w_rows = W + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(X + o_k)
+            w = tl.load(w_rows + o_k[None, :])
+        else:
+            x = tl.load(X + o_k, mask=o_k < K, other=0.0)
+            w = tl.load(w_rows + o_k[None, :], mask=o_k[None, :] < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(Y + o_n, y.to(Y.dtype.element_ty), mask=m_n)
+
+
+@triton.jit
 def _gemv_kernel(
     X,  # [M, K]
     W,  # [N, K]
@@ -123,26 +147,15 @@ def _gemv_kernel(
         span = tl.minimum(N - row0, BLOCK_N).to(tl.int64) * row_bytes
         prefetch_span_to_l2(W.to(tl.pointer_type(tl.uint8)) + row0 * row_bytes, tl.minimum(span, PF_BYTES), PF_LANES)
     pdl_enter(USE_PDL)
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    # rows past N read row N - 1 (their results are not stored), so the weight loads need no row mask
-    w_rows = W + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_w
     if ONE_ROW:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x = tl.load(X + o_k)
-                w = tl.load(w_rows + o_k[None, :])
-            else:
-                x = tl.load(X + o_k, mask=o_k < K, other=0.0)
-                w = tl.load(w_rows + o_k[None, :], mask=o_k[None, :] < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(Y + o_n, y.to(Y.dtype.element_ty), mask=m_n)
+        one_row_block(X, W, Y, tl.program_id(0), N, K, stride_w, BLOCK_N, BLOCK_K, EVEN_K)
         if NORM_AFTER:
             norm_after_last_program(Y, RES, NW, OUT, RES_OUT, TICKET, N, eps, BLOCK_H)
     else:
+        o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        # rows past N read row N - 1 (their results are not stored), so the weight loads need no row mask
+        w_rows = W + tl.minimum(o_n, N - 1).to(tl.int64)[:, None] * stride_w
         o_m = tl.arange(0, BLOCK_M)
         m_m = o_m < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -259,4 +272,4 @@ def _prefetch_bytes(weight: torch.Tensor, programs: int) -> int:
     return prefetch_budget_bytes() // max(programs, 1) // 16 * 16
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_norm_after", "gemv_tile", "parse_one_row_tiles"]
+__all__ = ["GEMV_MAX_ROWS", "GemvTile", "gemv", "gemv_norm_after", "gemv_tile", "one_row_block", "parse_one_row_tiles"]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import mm
+from kernels.triton_utils import check_device, dot_config, mm
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,11 @@ def low_rank_up_block(
     BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PREC: tl.constexpr,
+    A_CACHE: tl.constexpr,
 ):
     """Block ``i_blk`` of the 2 x cdiv(P, BLOCK_C) output blocks: OUT[j, :, c block] for all T rows, 16 at a time
-    (a tl.dot tile; decode steps have few rows)."""
+    (a tl.dot tile; decode steps have few rows). A_CACHE: A's load cache modifier (".cg" where other programs of
+    the same launch wrote A: kernels/short_conv/in_proj_conv.py)."""
     n_c = tl.cdiv(P, BLOCK_C)
     j = i_blk // n_c
     o_c = (i_blk % n_c) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -82,11 +84,31 @@ def low_rank_up_block(
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
             a = tl.load(A + o_t[:, None].to(tl.int64) * stride_a_t + j * stride_a_j + o_k[None, :],
-                        mask=m_t[:, None] & m_k[None, :], other=0.0)  # fmt: skip
+                        mask=m_t[:, None] & m_k[None, :], other=0.0, cache_modifier=A_CACHE)  # fmt: skip
             b = tl.load(p_b + o_k[:, None], mask=m_k[:, None] & m_c[None, :], other=0.0)  # [BLOCK_K, BLOCK_C]
             acc += mm(a, b, DOT_F32, PREC)
         p_out = OUT + (j * T + o_t[:, None]).to(tl.int64) * P + o_c[None, :]
         tl.store(p_out, acc.to(OUT.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
 
 
-__all__ = ["LowRankUp", "low_rank_tiles", "low_rank_up_block"]
+def low_rank_args(
+    low_rank: LowRankUp | None, rows: int, c_blocks: int, x: torch.Tensor, max_block_c: int = 256
+) -> tuple[tuple, dict[str, object]]:
+    """The kernel's LR_* arguments (placeholders, never read, without ``low_rank``) and constexprs; max_block_c caps
+    the channels a program (each output's sum over K is the same at any cap: only its program changes)."""
+    if low_rank is None:
+        return (x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), dict(LOW_RANK=False, LR_BLOCK_C=16, LR_BLOCK_K=16, DOT_F32=False,
+                                                       PREC="ieee")  # fmt: skip
+    low_rank.check(rows)
+    check_device("short_conv_update(low_rank)", x, low_rank.a, low_rank.b, low_rank.out)
+    a, b = low_rank.a, low_rank.b
+    p, k = b.shape[1], b.shape[2]
+    block_c, block_k = low_rank_tiles(p, k, c_blocks)
+    block_c = max(16, min(block_c, max_block_c))
+    dot_f32, prec = dot_config(a.dtype)
+    blocks = 2 * triton.cdiv(p, block_c)
+    args = (a, b, low_rank.out, rows, p, k, blocks, a.stride(0), a.stride(1), b.stride(0), b.stride(1))
+    return args, dict(LOW_RANK=True, LR_BLOCK_C=block_c, LR_BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
+
+
+__all__ = ["LowRankUp", "low_rank_args", "low_rank_tiles", "low_rank_up_block"]

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_enter, pdl_kwargs
-from kernels.short_conv.low_rank import LowRankUp, low_rank_tiles, low_rank_up_block
-from kernels.triton_utils import check_device, dot_config, next_pow2
+from kernels.short_conv.low_rank import LowRankUp, low_rank_args, low_rank_up_block
+from kernels.triton_utils import check_device, next_pow2
 from kernels.upload import upload
 
 
@@ -74,22 +74,97 @@ def _short_conv_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    i_n = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_t = tl.program_id(2)
+    short_conv_program(
+        X, Y, STATE, W, SLOTS, QSL, ACC, INIT, C, S, stride_x_t, stride_y_t, stride_y_plane, PLANE_C, stride_st_n,
+        stride_st_c, stride_w_c, T_CHUNK, N_CHUNKS, LR_A, LR_B, LR_OUT, LR_T, LR_P, LR_K, LR_BLOCKS, stride_lr_a_t,
+        stride_lr_a_j, stride_lr_b_j, stride_lr_b_c, KW, SPEC, HAS_ACC, CONV, WRITE_STATE, BLOCK_C, BLOCK_T, BLOCK_S,
+        LOW_RANK, LR_BLOCK_C, LR_BLOCK_K, DOT_F32, PREC,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), "",
+    )  # fmt: skip
+
+
+@triton.jit
+def short_conv_program(
+    X,  # [T, C]
+    Y,  # [T, C], or [G, T, C/G] planes (PLANE_C channels each)
+    STATE,  # [slots, C, S]
+    W,  # [C, KW]
+    SLOTS,  # [N] int32 (-1: padding, skipped)
+    QSL,  # [N + 1] int32
+    ACC,  # [N] int32 num_accepted (if HAS_ACC)
+    INIT,  # [N] int32 has_initial_state
+    C,
+    S,
+    stride_x_t,
+    stride_y_t,
+    stride_y_plane,
+    PLANE_C,
+    stride_st_n,
+    stride_st_c,
+    stride_w_c,
+    T_CHUNK,
+    N_CHUNKS,
+    LR_A,  # KDA's up-projections (LOW_RANK): kernels/short_conv/low_rank.py
+    LR_B,
+    LR_OUT,
+    LR_T,
+    LR_P,
+    LR_K,
+    LR_BLOCKS,
+    stride_lr_a_t,
+    stride_lr_a_j,
+    stride_lr_b_j,
+    stride_lr_b_c,
+    KW: tl.constexpr,
+    SPEC: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    CONV: tl.constexpr,
+    WRITE_STATE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LOW_RANK: tl.constexpr,
+    LR_BLOCK_C: tl.constexpr,
+    LR_BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PREC: tl.constexpr,
+    i_n,
+    i_c,
+    i_t,
+    n_rows,  # programs on axis 0: the sequences, then the up-projections' row
+    X_CACHE: tl.constexpr,  # X's (and the up-projections' A's) load cache modifier
+):
+    """One program of the short conv: sequence i_n's channel block i_c, token chunk i_t (or, with LOW_RANK, the
+    up-projections' block i_c in the last row). X_CACHE: ".cg" where other programs of the same launch wrote X
+    (kernels/short_conv/in_proj_conv.py)."""
     if LOW_RANK:  # the last row of programs runs the up-projections; the conv's columns may be fewer
-        if i_n == tl.num_programs(0) - 1:
-            if (i_c < LR_BLOCKS) & (i_t == 0):
-                low_rank_up_block(
-                    LR_A, LR_B, LR_OUT, i_c, LR_T, LR_P, LR_K, stride_lr_a_t, stride_lr_a_j, stride_lr_b_j,
-                    stride_lr_b_c, LR_BLOCK_C, LR_BLOCK_K, DOT_F32, PREC,
-                )  # fmt: skip
-            return
-        if i_c * BLOCK_C >= C:
-            return
-    slot = tl.load(SLOTS + i_n).to(tl.int64)
-    if slot < 0:
-        return
+        lr_row = i_n == n_rows - 1
+    else:
+        lr_row = False
+    if lr_row:
+        if (i_c < LR_BLOCKS) & (i_t == 0):
+            low_rank_up_block(
+                LR_A, LR_B, LR_OUT, i_c, LR_T, LR_P, LR_K, stride_lr_a_t, stride_lr_a_j, stride_lr_b_j,
+                stride_lr_b_c, LR_BLOCK_C, LR_BLOCK_K, DOT_F32, PREC, X_CACHE,
+            )  # fmt: skip
+    elif i_c * BLOCK_C < C:
+        slot = tl.load(SLOTS + i_n).to(tl.int64)
+        if slot >= 0:
+            _conv_channels(
+                X, Y, STATE, W, QSL, ACC, INIT, C, stride_x_t, stride_y_t, stride_y_plane, PLANE_C, stride_st_n,
+                stride_st_c, stride_w_c, T_CHUNK, N_CHUNKS, i_n, i_c, i_t, slot, KW, SPEC, HAS_ACC, CONV,
+                WRITE_STATE, BLOCK_C, BLOCK_T, BLOCK_S, X_CACHE,
+            )  # fmt: skip
+
+
+@triton.jit
+def _conv_channels(
+    X, Y, STATE, W, QSL, ACC, INIT, C, stride_x_t, stride_y_t, stride_y_plane, PLANE_C, stride_st_n, stride_st_c,
+    stride_w_c, T_CHUNK, N_CHUNKS, i_n, i_c, i_t, slot,
+    KW: tl.constexpr, SPEC: tl.constexpr, HAS_ACC: tl.constexpr, CONV: tl.constexpr, WRITE_STATE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, X_CACHE: tl.constexpr,
+):  # fmt: skip
+    """Sequence i_n's channel block i_c, token chunk i_t: the conv + SiLU, then (WRITE_STATE) its new window."""
     bos = tl.load(QSL + i_n)
     seq_len = tl.load(QSL + i_n + 1) - bos
     init = tl.load(INIT + i_n)
@@ -117,7 +192,8 @@ def _short_conv_kernel(
                 o_src = o_t - (KW - 1) + j
                 b_w = tl.load(W + o_c * stride_w_c + j, mask=m_c, other=0.0).to(tl.float32)
                 m_x = (m_t & (o_src >= 0))[:, None] & m_c[None, :]
-                b_x = tl.load(p_x + o_src[:, None].to(tl.int64) * stride_x_t, mask=m_x, other=0.0).to(tl.float32)
+                b_x = tl.load(p_x + o_src[:, None].to(tl.int64) * stride_x_t, mask=m_x, other=0.0,
+                              cache_modifier=X_CACHE).to(tl.float32)  # fmt: skip
                 m_s = (m_t & (o_src < 0))[:, None] & m_ci[None, :]
                 b_s = tl.load(p_st[None, :] + (off + KW - 1 + o_src)[:, None], mask=m_s, other=0.0).to(tl.float32)
                 b_acc += (b_x + b_s) * b_w[None, :]
@@ -125,8 +201,15 @@ def _short_conv_kernel(
             m_y = m_t[:, None] & m_c[None, :]
             tl.store(p_y + o_t[:, None].to(tl.int64) * stride_y_t, b_y.to(Y.dtype.element_ty), mask=m_y)
 
-    if not WRITE_STATE:
-        return
+    if WRITE_STATE:
+        _write_window(X, STATE, p_st, o_c, m_c, m_ci, bos, seq_len, off, stride_x_t, KW, SPEC, BLOCK_S, X_CACHE)
+
+
+@triton.jit
+def _write_window(
+    X, STATE, p_st, o_c, m_c, m_ci, bos, seq_len, off, stride_x_t,
+    KW: tl.constexpr, SPEC: tl.constexpr, BLOCK_S: tl.constexpr, X_CACHE: tl.constexpr,
+):  # fmt: skip
     # the new state, column by column: from the old state (below the split) or from x
     o_s = tl.arange(0, BLOCK_S)
     if SPEC:
@@ -142,7 +225,8 @@ def _short_conv_kernel(
     m_w = (o_s < n_cols)[None, :] & m_c[:, None]
     b_old = tl.load(p_st[:, None] + o_old[None, :], mask=m_w & m_old[None, :] & m_ci[:, None], other=0.0)
     p_xs = X + (bos + o_xi).to(tl.int64)[None, :] * stride_x_t + o_c[:, None]
-    b_new = tl.load(p_xs, mask=m_w & (~m_old)[None, :], other=0.0).to(STATE.dtype.element_ty)
+    b_new = tl.load(p_xs, mask=m_w & (~m_old)[None, :], other=0.0, cache_modifier=X_CACHE)
+    b_new = b_new.to(STATE.dtype.element_ty)
     b_new = tl.where(m_old[None, :], b_old, b_new)
     tl.debug_barrier()  # all reads of this slot (above) happen before any write
     tl.store(p_st[:, None] + o_s[None, :], b_new, mask=m_w)
@@ -262,50 +346,60 @@ def short_conv_update(
     if n == 0:
         return out
     longest = max_len if not isinstance(query_start_loc, torch.Tensor) else (max_q_len or 0)
-    tl_ = tiles or default_tiles(max_len, c)
-    block_t, block_c, t_chunk = tl_.block_t, tl_.block_c, max(tl_.t_chunk, tl_.block_t)
+    launch = conv_launch(x, out, weight, conv_state, slots_t, qsl_t, acc_t, init_t, spec, num_accepted is not None,
+                         tiles or default_tiles(max_len, c), longest, planes, low_rank)  # fmt: skip
+    one = launch.n_chunks == 1
+    _short_conv_kernel[launch.grid](
+        *launch.args, launch.t_chunk, launch.n_chunks, *launch.lr_args, CONV=True, WRITE_STATE=one, **launch.meta,
+        **launch.lr_meta, **pdl_kwargs(x, "conv.short_conv"),
+    )  # fmt: skip
+    if not one:  # every chunk has read the old window: now the states
+        lr_args, lr_meta = low_rank_args(None, t, launch.c_blocks, x)
+        _short_conv_kernel[(n, launch.c_blocks, 1)](
+            *launch.args, launch.t_chunk, 1, *lr_args, CONV=False, WRITE_STATE=True, **launch.meta, **lr_meta,
+            **pdl_kwargs(x, "conv.short_conv"),
+        )  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class ConvLaunch:
+    """A conv launch's arguments past the checks (``short_conv_update``; kernels/short_conv/in_proj_conv.py runs
+    the same programs after a projection's in one launch): positional args up to stride_w_c, the chunking, the
+    LR_* arguments, the constexprs, and the grid (sequences [+ the up-projections' row], channel blocks, chunks)."""
+
+    args: tuple
+    t_chunk: int
+    n_chunks: int
+    c_blocks: int
+    lr_args: tuple
+    meta: dict
+    lr_meta: dict
+    grid: tuple[int, int, int]
+
+
+def conv_launch(
+    x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots_t: torch.Tensor,
+    qsl_t: torch.Tensor, acc_t: torch.Tensor, init_t: torch.Tensor, spec: bool, has_acc: bool, tiles: ConvTiles,
+    longest: int, planes: int, low_rank: LowRankUp | None, low_rank_max_block_c: int = 256,
+) -> ConvLaunch:  # fmt: skip
+    """The launch of checked inputs (x [T, C], out as ``short_conv_update`` shapes it, int32 device rows);
+    low_rank_max_block_c: ``low_rank_args``'s cap on the up-projections' channels a program."""
+    (t, c), n, kw, s = x.shape, slots_t.shape[0], weight.shape[1], conv_state.shape[2]
+    block_t, block_c, t_chunk = tiles.block_t, tiles.block_c, max(tiles.t_chunk, tiles.block_t)
     # the last chunk runs to its sequence's end, so a max_q_len hint that is too small costs speed, not tokens
     n_chunks = max(1, triton.cdiv(longest, t_chunk))
     args = (x, out, conv_state, weight, slots_t, qsl_t, acc_t, init_t, c, s)
     plane_stride, plane_c = (0, c) if planes == 1 else (out.stride(0), c // planes)
     args += (x.stride(0), out.stride(-2), plane_stride, plane_c)
     args += (conv_state.stride(0), conv_state.stride(1), weight.stride(0))
-    meta = dict(KW=kw, SPEC=spec, HAS_ACC=num_accepted is not None, BLOCK_C=block_c, BLOCK_T=block_t)
-    meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tl_.num_warps)
-    one = n_chunks == 1
+    meta = dict(KW=kw, SPEC=spec, HAS_ACC=has_acc, BLOCK_C=block_c, BLOCK_T=block_t)
+    meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tiles.num_warps)
     c_blocks = triton.cdiv(c, block_c)
-    lr_args, lr_meta = _low_rank_args(low_rank, t, c_blocks, x)
+    lr_args, lr_meta = low_rank_args(low_rank, t, c_blocks, x, low_rank_max_block_c)
     lr_blocks = lr_args[6]  # LR_BLOCKS: the up-projections' programs, 0 without them
     grid = (n + (low_rank is not None), max(c_blocks, lr_blocks), n_chunks)
-    _short_conv_kernel[grid](
-        *args, t_chunk, n_chunks, *lr_args, CONV=True, WRITE_STATE=one, **meta, **lr_meta,
-        **pdl_kwargs(x, "conv.short_conv"),
-    )  # fmt: skip
-    if not one:  # every chunk has read the old window: now the states
-        lr_args, lr_meta = _low_rank_args(None, t, c_blocks, x)
-        _short_conv_kernel[(n, c_blocks, 1)](
-            *args, t_chunk, 1, *lr_args, CONV=False, WRITE_STATE=True, **meta, **lr_meta,
-            **pdl_kwargs(x, "conv.short_conv"),
-        )  # fmt: skip
-    return out
-
-
-def _low_rank_args(
-    low_rank: LowRankUp | None, rows: int, c_blocks: int, x: torch.Tensor
-) -> tuple[tuple, dict[str, object]]:
-    """The kernel's LR_* arguments (placeholders, never read, without ``low_rank``) and constexprs."""
-    if low_rank is None:
-        return (x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), dict(LOW_RANK=False, LR_BLOCK_C=16, LR_BLOCK_K=16, DOT_F32=False,
-                                                       PREC="ieee")  # fmt: skip
-    low_rank.check(rows)
-    check_device("short_conv_update(low_rank)", x, low_rank.a, low_rank.b, low_rank.out)
-    a, b = low_rank.a, low_rank.b
-    p, k = b.shape[1], b.shape[2]
-    block_c, block_k = low_rank_tiles(p, k, c_blocks)
-    dot_f32, prec = dot_config(a.dtype)
-    blocks = 2 * triton.cdiv(p, block_c)
-    args = (a, b, low_rank.out, rows, p, k, blocks, a.stride(0), a.stride(1), b.stride(0), b.stride(1))
-    return args, dict(LOW_RANK=True, LR_BLOCK_C=block_c, LR_BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
+    return ConvLaunch(args, t_chunk, n_chunks, c_blocks, lr_args, meta, lr_meta, grid)
 
 
 def write_windows(
@@ -327,11 +421,11 @@ def write_windows(
     args = (x, x, conv_state, weight, slots, query_start_loc, slots, has_initial_state, c, s)
     args += (x.stride(0), x.stride(0), 0, c, conv_state.stride(0), conv_state.stride(1), weight.stride(0))
     meta = dict(KW=kw, SPEC=False, HAS_ACC=False, BLOCK_C=block_c, BLOCK_T=1, BLOCK_S=next_pow2(max(s, kw - 1)))
-    lr_args, lr_meta = _low_rank_args(None, t, 1, x)
+    lr_args, lr_meta = low_rank_args(None, t, 1, x)
     _short_conv_kernel[(n, triton.cdiv(c, block_c), 1)](
         *args, t, 1, *lr_args, CONV=False, WRITE_STATE=True, **meta, **lr_meta, num_warps=4,
         **pdl_kwargs(x, "conv.short_conv"),
     )  # fmt: skip
 
 
-__all__ = ["ConvTiles", "LowRankUp", "default_tiles", "short_conv_update", "write_windows"]
+__all__ = ["ConvLaunch", "ConvTiles", "LowRankUp", "conv_launch", "default_tiles", "short_conv_update", "write_windows"]

@@ -23,8 +23,10 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -156,6 +158,23 @@ def ptx_of(launch: Launch, timeout: float = 300.0) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"the compile process failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])[0]
+
+
+def registers_of(ptx: str) -> tuple[int, int]:
+    """(registers a thread, bytes of spill stores) of an sm_90a PTX, from the ptxas in Triton's wheel: a launch's
+    register count sets how many of its programs share an SM."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    exe = next(p for p in (bin_dir / "ptxas-blackwell", bin_dir / "ptxas") if p.exists())
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([str(exe), "-v", "-arch=sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    regs = re.findall(r"Used (\d+) registers", proc.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
+    return int(regs[-1]), int(spills[-1]) if spills else 0
 
 
 def _source(x: dict, constexprs: dict):
