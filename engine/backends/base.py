@@ -201,11 +201,13 @@ class KDABackend(ABC):
         dt_bias: torch.Tensor,
         state_cache: torch.Tensor,
         batch: ForwardBatch,
+        before_recurrence: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``low_rank_conv_recurrence`` of x [T, hidden] through in_proj_weight (q | k | v in its first
         conv_channels rows, then f_a | g_a, then beta's logits) where the backend runs the projection inside the
-        conv's launch (the GPU backend at one-token steps: kernels/short_conv/in_proj_conv.py) -> (o, out_gate);
-        None: it does not, and the caller projects first."""
+        conv's launch (the GPU backend at one-token steps: kernels/short_conv/in_proj_conv.py) -> (o, out_gate),
+        calling ``before_recurrence`` between the two; None: it does not, and the caller projects first. Only
+        for a projection the dense backend would run as the one-row GEMV (``Backends.dense.runs_gemv``)."""
         return None
 
     @abstractmethod

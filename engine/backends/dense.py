@@ -19,6 +19,11 @@ class TorchDense:
         """x [..., K] @ weight [N, K]^T."""
         return F.linear(x, weight)
 
+    def runs_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``linear(x, weight)`` runs kernels/gemv's skinny GEMM (whose one-row body another launch may
+        run instead, with the same bits: kernels/short_conv/in_proj_conv.py)."""
+        return False
+
     def gated_norm_linear(
         self,
         x: torch.Tensor,
@@ -97,6 +102,9 @@ class TritonDense(TorchDense):
         if self._takes(x, weight):
             return self._gemv(x, weight)
         return F.linear(x, weight)
+
+    def runs_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self._takes(x, weight)
 
     def gated_norm_linear(
         self,

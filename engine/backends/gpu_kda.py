@@ -28,7 +28,7 @@ from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
 from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
-from kernels.short_conv.in_proj_conv import SYNC_WORDS, in_proj_conv, in_proj_conv_from_env
+from kernels.short_conv.in_proj_conv import SYNC_WORDS, in_proj_conv, in_proj_conv_fits, in_proj_conv_from_env
 from kernels.short_conv.planes import conv_planes
 from kernels.short_conv.triton import LowRankUp, short_conv_update, write_windows
 from kernels.triton_utils import LaunchTicket, is_interpreting
@@ -283,7 +283,7 @@ class GPUKDABackend(KDABackend):
         extra programs of the conv's launch, then fla's recurrent kernel with the raw gate as
         ``gated_conv_recurrence`` gives it; other steps as the base."""
         t, h = beta_logits.shape
-        if self.in_proj_conv:  # its counters made here, eagerly (a prefill comes before any decode capture)
+        if self.in_proj_conv:  # its counters made eagerly, before any capture: any step's KDA layers come here
             self._in_proj_sync.get(qkv.device)
         m = self._meta(batch, qkv.device)
         take = self.decode_gate_in_kernel and m.all_decode and 0 < t <= self.low_rank_max_rows
@@ -309,6 +309,7 @@ class GPUKDABackend(KDABackend):
         dt_bias: torch.Tensor,
         state_cache: torch.Tensor,
         batch: ForwardBatch,
+        before_recurrence: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One-token all-decode steps with ``TANDEM_KDA_IN_PROJ_CONV=1``: in_proj's GEMV and the conv (with the
         up-projections) in one launch, then the recurrence as ``low_rank_conv_recurrence`` runs it; else None."""
@@ -316,6 +317,8 @@ class GPUKDABackend(KDABackend):
             return None
         m = self._meta(batch, x.device)
         if not m.all_decode or getattr(m, "conv_cks", ()) or x.dtype != in_proj_weight.dtype or x.stride(1) != 1:
+            return None
+        if fg_b.dtype != x.dtype or not in_proj_conv_fits(*in_proj_weight.shape, conv_channels):
             return None
         try:
             sync = self._in_proj_sync.get(x.device)
@@ -327,6 +330,8 @@ class GPUKDABackend(KDABackend):
             self.in_proj_conv = False
             fall_back("KDA in_proj + conv launch", "one-token steps project, then run the conv", err)
             return None
+        if before_recurrence is not None:
+            before_recurrence()
         h = a_log.numel()
         q, k, v = (z.reshape(1, h, -1) for z in y.unbind(0))
         beta_logits = packed[:, conv_channels + 2 * fg_b.shape[2] :]

@@ -117,12 +117,14 @@ class KimiDeltaAttention(nn.Module):
         # (inside its decode kernel on the GPU)
         if self.in_proj is not None and self.fg_b is not None:
             p3 = sum(self.in_proj.sizes[:3])
-            # one-token GPU steps may run in_proj inside the conv's launch (TANDEM_KDA_IN_PROJ_CONV)
-            both = None if projected else be.kda.project_low_rank_conv_recurrence(
-                x, self.in_proj.weight, p3, conv, self.conv_weight(), self.fg_b, self.A_log, self.dt_bias, state, batch
-            )  # fmt: skip
+            # one-token GPU steps may run in_proj's GEMV inside the conv's launch (TANDEM_KDA_IN_PROJ_CONV)
+            both = None
+            if not projected and be.dense.runs_gemv(x, self.in_proj.weight):
+                both = be.kda.project_low_rank_conv_recurrence(
+                    x, self.in_proj.weight, p3, conv, self.conv_weight(), self.fg_b, self.A_log, self.dt_bias, state,
+                    batch, before_recurrence=lambda: be.l2.weights(t, self.o_proj.weight),
+                )  # fmt: skip
             if both is not None:
-                be.l2.weights(t, self.o_proj.weight)
                 o, out_gate = both
             else:
                 packed = x if projected else self.in_proj(x, be)

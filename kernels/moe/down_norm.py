@@ -38,6 +38,12 @@ from kernels.moe.tiles import GemmTiles
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, dot_config, next_pow2
 
+TICKET_LINE_WORDS = 32
+"""int32 words between two column tiles' ticket words (and the launch's): one 128-byte line each, so the tiles'
+atomics do not queue on one L2 line (37 words at Kimi's shape would share two)."""
+TILE_WORD_STRIDE: tl.constexpr = tl.constexpr(TICKET_LINE_WORDS)
+DOWN_NORM_TICKET_WORDS = (1 + 256) * TICKET_LINE_WORDS  # the launch's line + one a column tile (H <= 256 x BLOCK_N)
+
 
 @triton.jit
 def _down_combine_norm_kernel(
@@ -98,7 +104,7 @@ def _tile_combine_then_norm(
     """The two-level tail: this column tile's last program combines + adds its columns (``combine_add_norm_row``'s
     arithmetic, column by column), the last such program norms the row from the fp32 sums."""
     i_n = tl.program_id(1)
-    tile_ticket = tl.atomic_add(TICKET + 1 + i_n, 1, sem="acq_rel", scope="gpu")
+    tile_ticket = tl.atomic_add(TICKET + (1 + i_n) * TILE_WORD_STRIDE, 1, sem="acq_rel", scope="gpu")
     if tile_ticket == tl.num_programs(0) - 1:  # every expert's columns of this tile are stored
         tl.debug_barrier()
         cols = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +114,7 @@ def _tile_combine_then_norm(
         x += tl.load(RESIDUAL + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(RES_OUT + cols, x.to(RES_OUT.dtype.element_ty), mask=m)
         tl.store(XSUM + cols, x, mask=m)
-        tl.atomic_xchg(TICKET + 1 + i_n, 0, sem="relaxed", scope="gpu")  # its tile's programs are all past it
+        tl.atomic_xchg(TICKET + (1 + i_n) * TILE_WORD_STRIDE, 0, sem="relaxed", scope="gpu")  # all past it
         tl.debug_barrier()  # every thread's stores of XSUM before the release
         ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu")
         if ticket == tl.num_programs(1) - 1:  # every tile's sums are stored
@@ -120,9 +126,6 @@ def _tile_combine_then_norm(
             nw = tl.load(NORM_W + cols_h, mask=m_h, other=0.0).to(tl.float32)
             tl.store(OUT + cols_h, (xh * rstd * nw).to(OUT.dtype.element_ty), mask=m_h)
             tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")
-
-
-DOWN_NORM_TICKET_WORDS = 1 + 1024  # the launch's ticket + a word a column tile (H <= 1024 x BLOCK_N)
 
 
 def tile_tickets_from_env() -> bool:
@@ -184,8 +187,8 @@ def down_combine_norm(
     """The down launch of one token's k experts from their silu(gate) * up rows a [k, I] (pair order) -> (the
     norm's output [1, H] in a's dtype, the new residual [1, H]); ids [k] int64 (distinct), the rest as
     ``moe_experts_decode_add_norm`` takes them; down: the launch's tiles (None: ``down_norm_tiles()``);
-    tile_tickets: the two-level tail, which needs a ticket of 1 + cdiv(H, block_n) words (DOWN_NORM_TICKET_WORDS
-    covers H <= 1024 x block_n)."""
+    tile_tickets: the two-level tail, which needs a ticket of (1 + cdiv(H, block_n)) x 32 words
+    (DOWN_NORM_TICKET_WORDS covers H <= 256 x block_n)."""
     check_device("down_combine_norm", a, ids, w2, weights, residual, norm_weight, ticket)
     k, i = a.shape
     h = w2.shape[1]
@@ -198,7 +201,7 @@ def down_combine_norm(
             f"{tuple(residual.shape)}, {tuple(norm_weight.shape)}"
         )
     down = down or down_norm_tiles()
-    words = 1 + triton.cdiv(h, down.block_n) if tile_tickets else 1
+    words = (1 + triton.cdiv(h, down.block_n)) * TICKET_LINE_WORDS if tile_tickets else 1
     if ticket.ndim != 1 or ticket.numel() < words or ticket.dtype != torch.int32 or not ticket.is_contiguous():
         raise ValueError(f"ticket must be a contiguous int32 [>= {words}], got {ticket.dtype} {tuple(ticket.shape)}")
     residual = residual if residual.stride(1) == 1 else residual.contiguous()

@@ -78,6 +78,12 @@ def _in_proj_conv_kernel(
             tl.atomic_xchg(SYNC + 1, 0, sem="relaxed", scope="gpu")
 
 
+def in_proj_conv_fits(n: int, k: int, conv_channels: int) -> bool:
+    """Whether in_proj [n, k]'s one-row GEMV tile and the conv's tile over conv_channels share a warp count (one
+    launch has one; a ``TANDEM_GEMV_ONE_ROW_TILES`` override may give the GEMV another)."""
+    return gemv_tile(1, n, k).num_warps == default_tiles(1, conv_channels).num_warps
+
+
 def in_proj_conv_from_env() -> bool:
     """``TANDEM_KDA_IN_PROJ_CONV``: "1" runs a one-token KDA layer's in_proj and conv in one launch, "0" (the
     default until it is timed on the H200) in two."""
@@ -130,9 +136,10 @@ def in_proj_conv(
     qkv, fg_a = packed[:, :conv_channels], packed[:, conv_channels : conv_channels + 2 * r].view(1, 2, r)
     y = packed.new_empty(planes, 1, conv_channels // planes)
     up = packed.new_empty(2, 1, fg_b.shape[1])
-    rows = torch.arange(2, dtype=torch.int32, device=x.device)  # query_start_loc of one token: [0, 1]
-    qsl = rows if query_start_loc is None else query_start_loc
-    init = rows[1:] if has_initial_state is None else has_initial_state
+    qsl, init = query_start_loc, has_initial_state
+    if qsl is None or init is None:  # a launch of its own on CUDA: the engine passes its step's rows
+        rows = torch.arange(2, dtype=torch.int32, device=x.device)  # query_start_loc of one token: [0, 1]
+        qsl, init = (rows if qsl is None else qsl), (rows[1:] if init is None else init)
     if qsl.shape != (2,) or init.shape != (1,) or qsl.dtype != torch.int32 or init.dtype != torch.int32:
         raise ValueError("in_proj_conv: query_start_loc / has_initial_state must be int32 [2] / [1]")
     launch = conv_launch(
@@ -141,9 +148,9 @@ def in_proj_conv(
     )  # fmt: skip
     tile = gemv_tile(1, n, k)
     block_k = min(tile.block_k, max(16, next_pow2(k)))
-    if tile.num_warps != launch.meta["num_warps"]:  # one launch, one warp count: the two tiles must agree
+    if not in_proj_conv_fits(n, k, conv_channels):
         raise ValueError(f"in_proj_conv: the GEMV tile's {tile.num_warps} warps differ from the conv's "
-                         f"{launch.meta['num_warps']}")  # fmt: skip
+                         f"{launch.meta['num_warps']} (one launch, one warp count)")  # fmt: skip
     n_proj = triton.cdiv(n, tile.block_n)
     lr_blocks = launch.lr_args[6]  # LR_BLOCKS
     _in_proj_conv_kernel[(n_proj + launch.c_blocks + lr_blocks,)](
@@ -155,4 +162,4 @@ def in_proj_conv(
     return packed, y, up
 
 
-__all__ = ["SYNC_WORDS", "in_proj_conv", "in_proj_conv_from_env"]
+__all__ = ["SYNC_WORDS", "in_proj_conv", "in_proj_conv_fits", "in_proj_conv_from_env"]

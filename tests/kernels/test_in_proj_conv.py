@@ -133,17 +133,21 @@ def test_counters_survive_graph_replays():
 
 @pytest.mark.usefixtures("fla_unblocked")
 @pytest.mark.skipif(ON_CUDA, reason="CPU engine with interpreted kernels; bench/gpu_agreement.py covers the GPU")
-@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
-def test_engine_tokens_with_the_launch_on_and_off(tiny_models, on, monkeypatch):
+@pytest.mark.parametrize("mode", ["on", "off", "torch-dense"])
+def test_engine_tokens_with_the_launch_on_and_off(tiny_models, mode, monkeypatch):
     """Greedy tokens of the tiny Kimi model through the GPU backends, weights packed as on CUDA, batched and one
     sequence at a time: the reference's; on, every one-row decode step's KDA layers ran the one launch (and no
-    batched step did), off none did. The backend's counters end at 0."""
+    batched step did), off none did, nor with the projection outside the skinny GEMM (a dense backend of
+    ``F.linear``: the launch would change its bits). The backend's counters end at 0."""
+    import dataclasses
+
     import engine.backends.gpu_kda as gpu_kda
+    from engine.backends.dense import TritonDense
     from engine.sampling_params import SamplingParams
     from tests.conftest import make_engine, random_prompts
     from tests.kernels.test_gpu_backend import gpu_backends
 
-    monkeypatch.setenv("TANDEM_KDA_IN_PROJ_CONV", "1" if on else "0")
+    monkeypatch.setenv("TANDEM_KDA_IN_PROJ_CONV", "0" if mode == "off" else "1")
     rows = []
     real = gpu_kda.in_proj_conv
     monkeypatch.setattr(gpu_kda, "in_proj_conv", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
@@ -151,14 +155,41 @@ def test_engine_tokens_with_the_launch_on_and_off(tiny_models, on, monkeypatch):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     ref = make_engine(tiny_models["kimi_linear"])
     eng = make_engine(tiny_models["kimi_linear"])
-    eng.model.backends = gpu_backends()
+    backends = gpu_backends()
+    eng.model.backends = backends if mode == "torch-dense" else dataclasses.replace(backends, dense=TritonDense())
     eng.model.pack_weights()
     want = [o.output_token_ids for o in ref.generate(prompts, params)]
     assert [o.output_token_ids for o in eng.generate(prompts, params)] == want
     assert eng.generate([prompts[0]], params)[0].output_token_ids == want[0]
     kda_layers = sum(1 for layer in eng.model.layers if type(layer.self_attn).__name__ == "KimiDeltaAttention")
-    if on:  # the single prompt's decode steps, one row each (the batch's had 3 rows: two launches)
+    if mode == "on":  # the single prompt's decode steps, one row each (the batch's had 3 rows: two launches)
         assert rows == [1] * ((params.max_tokens - 1) * kda_layers) and kda_layers > 0
         assert not eng.model.backends.kda._in_proj_sync.get(torch.device(DEVICE)).any()
     else:
         assert rows == []
+
+
+@pytest.mark.usefixtures("fla_unblocked")
+def test_the_backend_calls_back_between_the_launch_and_the_recurrence(monkeypatch):
+    """``before_recurrence`` (the model's L2 prefetch of o_proj) runs after the one launch and before fla's
+    recurrence, as it ran after in_proj in the two-launch path; steps the launch does not take return None."""
+    from engine.backends.gpu import GPUKDABackend
+    from kernels.kda.naive import naive_chunk_kda_varlen
+    from tests.kernels.test_gpu_backend import make_batch
+
+    monkeypatch.setenv("TANDEM_KDA_IN_PROJ_CONV", "1")
+    h, kd, rank, hidden = 2, 16, 8, 32
+    c = 3 * h * kd
+    x, w_in, conv_w, _, fg_b = _case(c, rank, h, hidden, h * kd, torch.float32, seed=9)
+    conv = torch.randn(8, c, 3).to(DEVICE)
+    rec = torch.zeros(8, h, kd, kd).to(DEVICE)
+    a_log, dt_bias = torch.zeros(h).to(DEVICE), torch.zeros(h * kd).to(DEVICE)
+    gpu = GPUKDABackend(chunk_fn=naive_chunk_kda_varlen)
+    order = []
+    real = gpu.recurrence
+    monkeypatch.setattr(gpu, "recurrence", lambda *a, **k: order.append("recurrence") or real(*a, **k))
+    args = (x, w_in, c, conv, conv_w, fg_b, a_log, dt_bias, rec)
+    out = gpu.project_low_rank_conv_recurrence(*args, make_batch([1], [9], 16, 8), lambda: order.append("callback"))
+    assert out is not None and order == ["callback", "recurrence"]
+    two_rows = make_batch([1, 1], [9, 5], 16, 8)
+    assert gpu.project_low_rank_conv_recurrence(x.expand(2, -1), *args[1:], two_rows) is None

@@ -66,7 +66,7 @@ def test_matches_the_contract_with_masked_tails(dtype, tile_tickets):
     (a masked tail, in the last column tile's combine too) and the down GEMM's reduction over 5 K steps."""
     x, w13, w2, weights, ids, residual, norm_w = _inputs(16, 9, 96, 80, dtype, seed=6)
     i = w2.shape[2]
-    ticket = torch.zeros(3, dtype=torch.int32, device=DEVICE)  # the launch's word + two column tiles
+    ticket = torch.zeros(3 * 32, dtype=torch.int32, device=DEVICE)  # the launch's line + two column tiles'
     tiles = decode_gemm_tiles(16, 64, 64, 2), decode_gemm_tiles(16, 64, 16, 8)
     out, res = moe_experts_decode_add_norm(
         x, w13, w2, ids, weights, residual, norm_w, 1e-6, ticket, *tiles, tile_tickets=tile_tickets
@@ -93,7 +93,7 @@ def test_bad_inputs_say_what_is_wrong():
         moe_experts_decode_add_norm(x, w13, w2, ids, weights, residual[:, :32], norm_w, 1e-6, ticket)
     with pytest.raises(ValueError, match="ticket"):
         moe_experts_decode_add_norm(x, w13, w2, ids, weights, residual, norm_w, 1e-6, ticket.long())
-    with pytest.raises(ValueError, match=r"ticket must be a contiguous int32 \[>= 2\]"):  # H 64: one tile
+    with pytest.raises(ValueError, match=r"ticket must be a contiguous int32 \[>= 64\]"):  # H 64: one tile
         moe_experts_decode_add_norm(x, w13, w2, ids, weights, residual, norm_w, 1e-6, ticket, tile_tickets=True)
     assert ticket.item() == 0
 
