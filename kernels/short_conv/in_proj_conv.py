@@ -29,7 +29,8 @@ import triton.language as tl
 
 from kernels.gemv.triton import gemv_tile, one_row_block
 from kernels.short_conv.low_rank import LowRankUp
-from kernels.short_conv.triton import conv_launch, default_tiles, short_conv_program
+from kernels.short_conv.program import short_conv_program
+from kernels.short_conv.triton import conv_launch, default_tiles
 from kernels.triton_utils import check_device, next_pow2
 
 SYNC_WORDS = 2
