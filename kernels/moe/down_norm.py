@@ -25,12 +25,11 @@ arithmetic as ``moe_combine_add_norm``, but its row's sum of squares is reduced 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.env import env_switch
 from kernels.moe.combine import weighted_expert_sum
 from kernels.moe.combine_norm import combine_add_norm_row
 from kernels.moe.decode import decode_tiles, down_norm_tiles, down_program, launch_gate_up
@@ -130,10 +129,7 @@ def _tile_combine_then_norm(
 
 def tile_tickets_from_env() -> bool:
     """``TANDEM_MOE_DOWN_TILE_TICKETS``: "1" runs the two-level tail, "0" (the default) the one last program."""
-    value = os.environ.get("TANDEM_MOE_DOWN_TILE_TICKETS", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"TANDEM_MOE_DOWN_TILE_TICKETS must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch("TANDEM_MOE_DOWN_TILE_TICKETS", False)
 
 
 def moe_experts_decode_add_norm(

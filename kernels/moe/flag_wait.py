@@ -18,11 +18,11 @@ form makes three of them (the acquire, the id, the count), the acquire form one 
 from __future__ import annotations
 
 import functools
-import os
 
 import triton
 import triton.language as tl
 
+from kernels.env import env_switch
 from kernels.triton_utils import is_interpreting
 
 
@@ -59,10 +59,7 @@ def acquire_poll(choice: bool | None = None) -> bool:
 @functools.cache
 def acquire_poll_from_env() -> bool:
     """``TANDEM_MOE_ROUTE_ACQUIRE_POLL`` read once (a launch a MoE layer reads it)."""
-    raw = os.environ.get("TANDEM_MOE_ROUTE_ACQUIRE_POLL", "0").strip() or "0"
-    if raw not in ("0", "1"):
-        raise ValueError(f"TANDEM_MOE_ROUTE_ACQUIRE_POLL must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_switch("TANDEM_MOE_ROUTE_ACQUIRE_POLL", False)
 
 
 __all__ = ["acquire_poll", "acquire_poll_from_env", "load_acquire", "wait_flag"]

@@ -21,12 +21,11 @@ the conv is the conv's own program. Contract: ``gemv`` then ``short_conv_update`
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.env import env_switch
 from kernels.gemv.triton import gemv_tile, one_row_block
 from kernels.short_conv.low_rank import LowRankUp
 from kernels.short_conv.program import short_conv_program
@@ -88,10 +87,7 @@ def in_proj_conv_fits(n: int, k: int, conv_channels: int) -> bool:
 def in_proj_conv_from_env() -> bool:
     """``TANDEM_KDA_IN_PROJ_CONV``: "1" runs a one-token KDA layer's in_proj and conv in one launch, "0" (the
     default until it is timed on the H200) in two."""
-    value = os.environ.get("TANDEM_KDA_IN_PROJ_CONV", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"TANDEM_KDA_IN_PROJ_CONV must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch("TANDEM_KDA_IN_PROJ_CONV", False)
 
 
 def in_proj_conv(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.gemv.triton import gemv
-from kernels.short_conv.in_proj_conv import SYNC_WORDS, in_proj_conv, in_proj_conv_from_env
+from kernels.short_conv.in_proj_conv import SYNC_WORDS, in_proj_conv
 from kernels.short_conv.triton import LowRankUp, short_conv_update
 from tests.kernels.helpers import DEVICE, ON_CUDA
 from tests.kernels.sm90_compile import compile_errors, ptx_of, record_launches, registers_of
@@ -77,16 +77,6 @@ def test_bad_inputs_say_what_is_wrong():
     with pytest.raises(ValueError, match="planes must divide"):
         in_proj_conv(x, w_in, 48, conv_w, state, slot, fg_b, sync, planes=5)
     assert not sync.any()
-
-
-def test_switch_reads_only_0_or_1(monkeypatch):
-    monkeypatch.delenv("TANDEM_KDA_IN_PROJ_CONV", raising=False)
-    assert in_proj_conv_from_env() is False
-    monkeypatch.setenv("TANDEM_KDA_IN_PROJ_CONV", "1")
-    assert in_proj_conv_from_env() is True
-    monkeypatch.setenv("TANDEM_KDA_IN_PROJ_CONV", "on")
-    with pytest.raises(ValueError, match="TANDEM_KDA_IN_PROJ_CONV must be 0 or 1"):
-        in_proj_conv_from_env()
 
 
 @pytest.mark.skipif(ON_CUDA, reason="records interpreted launches; on a GPU the tests above run the launch itself")

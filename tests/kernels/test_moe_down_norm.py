@@ -10,7 +10,7 @@ import torch
 from kernels.gemv.naive import add_rms_norm_reference
 from kernels.moe.combine_norm import moe_combine_add_norm
 from kernels.moe.decode import decode_gemm_tiles, moe_experts_decode
-from kernels.moe.down_norm import DOWN_NORM_TICKET_WORDS, moe_experts_decode_add_norm, tile_tickets_from_env
+from kernels.moe.down_norm import DOWN_NORM_TICKET_WORDS, moe_experts_decode_add_norm
 from kernels.moe.naive import naive_moe, sigmoid_topk_route
 from kernels.triton_utils import LaunchTicket
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close, tol
@@ -129,16 +129,6 @@ def test_tile_tickets_compile_for_sm90():
     assert compile_errors(list(launches.values())) == []
     atomics = {k: ptx_of(v).count("atom.global.gpu.acq_rel.add") for k, v in launches.items()}
     assert atomics[True] == atomics[False] + 1 >= 2, atomics
-
-
-def test_tile_tickets_switch_reads_only_0_or_1(monkeypatch):
-    monkeypatch.delenv("TANDEM_MOE_DOWN_TILE_TICKETS", raising=False)
-    assert tile_tickets_from_env() is False
-    monkeypatch.setenv("TANDEM_MOE_DOWN_TILE_TICKETS", "1")
-    assert tile_tickets_from_env() is True
-    monkeypatch.setenv("TANDEM_MOE_DOWN_TILE_TICKETS", "yes")
-    with pytest.raises(ValueError, match="TANDEM_MOE_DOWN_TILE_TICKETS must be 0 or 1"):
-        tile_tickets_from_env()
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="a CUDA graph needs CUDA (the interpreter runs programs one by one)")
