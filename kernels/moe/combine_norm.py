@@ -34,11 +34,29 @@ def combine_add_norm_row(
     (".cg" in the MoE down launch's last program, kernels/moe/down_norm.py: other SMs wrote Y)."""
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
+    x = combine_add_cols(
+        Y, ROWS, W, RESIDUAL, OUT, RES_OUT, t, cols, m, stride_y, stride_res, stride_res_out, TOP_K, PAIR_ORDER, CACHE
+    )
+    norm_row(x, m, NORM_W, OUT, t, cols, H, eps, stride_out)
+
+
+@triton.jit
+def combine_add_cols(
+    Y, ROWS, W, RESIDUAL, OUT, RES_OUT, t, cols, m, stride_y, stride_res, stride_res_out,
+    TOP_K: tl.constexpr, PAIR_ORDER: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """Token t's combine at ``cols`` rounded to OUT's dtype (as the separate combine stores it), plus the residual
+    in fp32: stored as the new residual in RES_OUT's dtype, returned in fp32 (the norm's input)."""
     acc = weighted_expert_sum(Y, ROWS, W, t, cols, m, stride_y, TOP_K, PAIR_ORDER, CACHE)
-    # the combine's output as the separate launch stores it, then fla's add-norm on it
     x = acc.to(OUT.dtype.element_ty).to(tl.float32)
     x += tl.load(RESIDUAL + t * stride_res + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(RES_OUT + t * stride_res_out + cols, x.to(RES_OUT.dtype.element_ty), mask=m)
+    return x
+
+
+@triton.jit
+def norm_row(x, m, NORM_W, OUT, t, cols, H, eps, stride_out):
+    """fla's RMSNorm of token t's fp32 row x (``cols`` covering all H, ``m`` its mask) into OUT."""
     xm = tl.where(m, x, 0.0)
     rstd = 1 / tl.sqrt(tl.sum(xm * xm, axis=0) / H + eps)
     nw = tl.load(NORM_W + cols, mask=m, other=0.0).to(tl.float32)
@@ -136,4 +154,11 @@ def naive_combine_add_norm(
     return add_rms_norm_reference(moe_combine(y, rows, weights, out_dtype), residual, norm_weight, eps)
 
 
-__all__ = ["add_rms_norm_reference", "combine_add_norm_row", "moe_combine_add_norm", "naive_combine_add_norm"]
+__all__ = [
+    "add_rms_norm_reference",
+    "combine_add_cols",
+    "combine_add_norm_row",
+    "moe_combine_add_norm",
+    "naive_combine_add_norm",
+    "norm_row",
+]

@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.env import env_switch
-from kernels.moe.combine import weighted_expert_sum
-from kernels.moe.combine_norm import combine_add_norm_row
+from kernels.moe.combine_norm import combine_add_cols, combine_add_norm_row, norm_row
 from kernels.moe.decode import decode_tiles, down_norm_tiles, down_program, launch_gate_up
 from kernels.moe.tiles import GemmTiles
 from kernels.pdl import pdl_enter, pdl_kwargs
@@ -55,7 +54,7 @@ def _down_combine_norm_kernel(
     NORM_W,  # [H]
     OUT,  # [1, H] the norm's output
     RES_OUT,  # [1, H] residual + the combine's output
-    TICKET,  # [1] int32 (TILE_TICKETS: [1 + column tiles]), 0 on entry and on exit
+    TICKET,  # int32 [1] (TILE_TICKETS: [(1 + column tiles) x TICKET_LINE_WORDS]), 0 on entry and on exit
     XSUM,  # [H] fp32 scratch: residual + the combine's output (TILE_TICKETS)
     H,
     INTER,
@@ -100,18 +99,16 @@ def _tile_combine_then_norm(
     Y, RW, RESIDUAL, NORM_W, OUT, RES_OUT, TICKET, XSUM, H, eps, stride_y,
     BLOCK_N: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """The two-level tail: this column tile's last program combines + adds its columns (``combine_add_norm_row``'s
-    arithmetic, column by column), the last such program norms the row from the fp32 sums."""
+    """The two-level tail: this column tile's last program combines + adds its columns (``combine_add_cols``, as
+    ``combine_add_norm_row`` does for the whole row), the last such program norms the row from the fp32 sums
+    (``norm_row``)."""
     i_n = tl.program_id(1)
     tile_ticket = tl.atomic_add(TICKET + (1 + i_n) * TILE_WORD_STRIDE, 1, sem="acq_rel", scope="gpu")
     if tile_ticket == tl.num_programs(0) - 1:  # every expert's columns of this tile are stored
         tl.debug_barrier()
         cols = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m = cols < H
-        acc = weighted_expert_sum(Y, RW, RW, 0, cols, m, stride_y, TOP_K, True, ".cg")
-        x = acc.to(OUT.dtype.element_ty).to(tl.float32)
-        x += tl.load(RESIDUAL + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(RES_OUT + cols, x.to(RES_OUT.dtype.element_ty), mask=m)
+        x = combine_add_cols(Y, RW, RW, RESIDUAL, OUT, RES_OUT, 0, cols, m, stride_y, 0, 0, TOP_K, True, ".cg")
         tl.store(XSUM + cols, x, mask=m)
         tl.atomic_xchg(TICKET + (1 + i_n) * TILE_WORD_STRIDE, 0, sem="relaxed", scope="gpu")  # all past it
         tl.debug_barrier()  # every thread's stores of XSUM before the release
@@ -121,9 +118,7 @@ def _tile_combine_then_norm(
             cols_h = tl.arange(0, BLOCK_H)
             m_h = cols_h < H
             xh = tl.load(XSUM + cols_h, mask=m_h, other=0.0, cache_modifier=".cg")
-            rstd = 1 / tl.sqrt(tl.sum(xh * xh, axis=0) / H + eps)
-            nw = tl.load(NORM_W + cols_h, mask=m_h, other=0.0).to(tl.float32)
-            tl.store(OUT + cols_h, (xh * rstd * nw).to(OUT.dtype.element_ty), mask=m_h)
+            norm_row(xh, m_h, NORM_W, OUT, 0, cols_h, H, eps, 0)
             tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")
 
 
