@@ -282,7 +282,7 @@ class GPUKDABackend(KDABackend):
         """All-decode steps of at most ``low_rank_max_rows`` rows: the up-projections by
         extra programs of the conv's launch, then fla's recurrent kernel with the raw gate as
         ``gated_conv_recurrence`` gives it; other steps as the base."""
-        t, h = beta_logits.shape
+        t = beta_logits.shape[0]
         if self.in_proj_conv:  # its counters made eagerly, before any capture: any step's KDA layers come here
             self._in_proj_sync.get(qkv.device)
         m = self._meta(batch, qkv.device)
@@ -292,6 +292,21 @@ class GPUKDABackend(KDABackend):
             return super().low_rank_conv_recurrence(qkv, conv_cache, conv_weight, *args)
         up = fg_a.new_empty(2, t, fg_b.shape[1])  # g_raw | the output gate, as the batched GEMM lays them out
         y = self._conv(qkv, conv_cache, conv_weight, batch, planes=3, low_rank=LowRankUp(fg_a, fg_b, up))
+        return self._decode_recurrence(y, up, beta_logits, a_log, dt_bias, state_cache, batch)
+
+    def _decode_recurrence(
+        self,
+        y: torch.Tensor | tuple[torch.Tensor, ...],
+        up: torch.Tensor,
+        beta_logits: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        state_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the conv's planes y and the up-projections up [2, T, P] (g_raw | the output gate) of an all-decode
+        step: fla's recurrent kernel with the raw gate and beta's logits applied inside it -> (o, out_gate)."""
+        t, h = beta_logits.shape
         q, k, v = (z.reshape(t, h, -1) for z in (y if isinstance(y, tuple) else y.unbind(0)))
         gate = (a_log, dt_bias)
         o = self.recurrence(q, k, v, up[0].view(t, h, -1), beta_logits, state_cache, batch, gate=gate, beta_logits=True)
@@ -332,12 +347,8 @@ class GPUKDABackend(KDABackend):
             return None
         if before_recurrence is not None:
             before_recurrence()
-        h = a_log.numel()
-        q, k, v = (z.reshape(1, h, -1) for z in y.unbind(0))
         beta_logits = packed[:, conv_channels + 2 * fg_b.shape[2] :]
-        gate = (a_log, dt_bias)
-        o = self.recurrence(q, k, v, up[0].view(1, h, -1), beta_logits, state_cache, batch, gate=gate, beta_logits=True)
-        return o, up[1]
+        return self._decode_recurrence(y, up, beta_logits, a_log, dt_bias, state_cache, batch)
 
     def _planes_fit(self, x: torch.Tensor, batch: ForwardBatch, m: KDAStep | KDADecodeStep, head_dim: int) -> bool:
         """Prefill-only steps with a long chunk (decode rows would be normed again by the recurrent kernel)."""
