@@ -18,6 +18,7 @@ from engine.backends.gpu_kda_switches import (
     DECODE_GATE_IN_KERNEL,
     FLA_CONV_MIN_LEN,
     GATE_IN_CHUNK,
+    LOW_RANK_BLOCK_C,
     LOW_RANK_IN_CONV,
     LOW_RANK_MAX_ROWS,
     PLANES_MIN_LEN,
@@ -291,7 +292,9 @@ class GPUKDABackend(KDABackend):
             args = (fg_a, fg_b, a_log, dt_bias, beta_logits, state_cache, batch)
             return super().low_rank_conv_recurrence(qkv, conv_cache, conv_weight, *args)
         up = fg_a.new_empty(2, t, fg_b.shape[1])  # g_raw | the output gate, as the batched GEMM lays them out
-        y = self._conv(qkv, conv_cache, conv_weight, batch, planes=3, low_rank=LowRankUp(fg_a, fg_b, up))
+        y = self._conv(
+            qkv, conv_cache, conv_weight, batch, planes=3, low_rank=LowRankUp(fg_a, fg_b, up, LOW_RANK_BLOCK_C)
+        )
         return self._decode_recurrence(y, up, beta_logits, a_log, dt_bias, state_cache, batch)
 
     def _decode_recurrence(

@@ -43,12 +43,29 @@ thirty-second session) b1 steps gained 18 us, b16 lost 7-15 us and b64 66-75 us 
 row of its channels, after the conv's programs); 2-8 rows were not timed."""
 
 
+def low_rank_block_c_from_env() -> int:
+    """``TANDEM_KDA_LOW_RANK_BLOCK_C`` (blank: 256); anything but a power of two in [16, 256] is an error naming it."""
+    raw = os.environ.get("TANDEM_KDA_LOW_RANK_BLOCK_C", "").strip() or "256"
+    if raw not in ("16", "32", "64", "128", "256"):
+        raise ValueError(f"TANDEM_KDA_LOW_RANK_BLOCK_C must be 16, 32, 64, 128 or 256, got {raw!r}")
+    return int(raw)
+
+
+LOW_RANK_BLOCK_C = low_rank_block_c_from_env()
+"""The up-projections' channels a program in the conv's launch (``LowRankUp.max_block_c``). At 256 that launch is
+255 registers with 736 bytes of spills at Kimi's shape (ptxas sm_90a); the in_proj + conv launch takes 64 for its
+register count (kernels/short_conv/in_proj_conv.py). The same bits at any cap. ``TANDEM_KDA_LOW_RANK_BLOCK_C``:
+A / B runs (untimed)."""
+
+
 __all__ = [
     "CONV_PLANES",
     "DECODE_GATE_IN_KERNEL",
     "FLA_CONV_MIN_LEN",
     "GATE_IN_CHUNK",
+    "LOW_RANK_BLOCK_C",
     "LOW_RANK_IN_CONV",
     "LOW_RANK_MAX_ROWS",
     "PLANES_MIN_LEN",
+    "low_rank_block_c_from_env",
 ]

@@ -141,7 +141,7 @@ def in_proj_conv(
         raise ValueError("in_proj_conv: query_start_loc / has_initial_state must be int32 [2] / [1]")
     launch = conv_launch(
         qkv, y, conv_weight, conv_state, slot, qsl, slot, init, False, False, default_tiles(1, conv_channels),
-        1, planes, LowRankUp(fg_a, fg_b, up), LOW_RANK_MAX_BLOCK_C,
+        1, planes, LowRankUp(fg_a, fg_b, up, LOW_RANK_MAX_BLOCK_C),
     )  # fmt: skip
     tile = gemv_tile(1, n, k)
     block_k = min(tile.block_k, max(16, next_pow2(k)))

@@ -23,11 +23,14 @@ from kernels.triton_utils import check_device, dot_config, mm
 @dataclass(frozen=True)
 class LowRankUp:
     """out [2, T, P] = a[:, j] [T, K] @ b[j] [P, K]^T for j = 0, 1. a is [T, 2, K] (a column view of in_proj's
-    output: unit stride on K), b [2, P, K] with a unit stride on K, out a contiguous [2, T, P] of a's dtype."""
+    output: unit stride on K), b [2, P, K] with a unit stride on K, out a contiguous [2, T, P] of a's dtype.
+    max_block_c caps the channels a program (a power of two, 16-256): each output's sum over K is the same at any
+    cap, only its program changes; a smaller cap needs fewer registers (kernels/short_conv/in_proj_conv.py)."""
 
     a: torch.Tensor
     b: torch.Tensor
     out: torch.Tensor
+    max_block_c: int = 256
 
     def check(self, rows: int) -> None:
         a, b, out = self.a, self.b, self.out
@@ -41,6 +44,8 @@ class LowRankUp:
             raise ValueError(f"low_rank: out must be a contiguous [2, {rows}, {b.shape[1]}] of a's dtype {a.dtype}")
         if not a.device == b.device == out.device:
             raise ValueError("low_rank: a, b and out must be on one device")
+        if self.max_block_c not in (16, 32, 64, 128, 256):
+            raise ValueError(f"low_rank: max_block_c must be a power of two in [16, 256], got {self.max_block_c}")
 
 
 def low_rank_tiles(p: int, k: int, programs: int) -> tuple[int, int]:
@@ -92,10 +97,9 @@ def low_rank_up_block(
 
 
 def low_rank_args(
-    low_rank: LowRankUp | None, rows: int, c_blocks: int, x: torch.Tensor, max_block_c: int = 256
+    low_rank: LowRankUp | None, rows: int, c_blocks: int, x: torch.Tensor
 ) -> tuple[tuple, dict[str, object]]:
-    """The kernel's LR_* arguments (placeholders, never read, without ``low_rank``) and constexprs; max_block_c caps
-    the channels a program (each output's sum over K is the same at any cap: only its program changes)."""
+    """The kernel's LR_* arguments (placeholders, never read, without ``low_rank``) and constexprs."""
     if low_rank is None:
         return (x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), dict(LOW_RANK=False, LR_BLOCK_C=16, LR_BLOCK_K=16, DOT_F32=False,
                                                        PREC="ieee")  # fmt: skip
@@ -104,7 +108,7 @@ def low_rank_args(
     a, b = low_rank.a, low_rank.b
     p, k = b.shape[1], b.shape[2]
     block_c, block_k = low_rank_tiles(p, k, c_blocks)
-    block_c = max(16, min(block_c, max_block_c))
+    block_c = max(16, min(block_c, low_rank.max_block_c))
     dot_f32, prec = dot_config(a.dtype)
     blocks = 2 * triton.cdiv(p, block_c)
     args = (a, b, low_rank.out, rows, p, k, blocks, a.stride(0), a.stride(1), b.stride(0), b.stride(1))

@@ -233,10 +233,9 @@ class ConvLaunch:
 def conv_launch(
     x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots_t: torch.Tensor,
     qsl_t: torch.Tensor, acc_t: torch.Tensor, init_t: torch.Tensor, spec: bool, has_acc: bool, tiles: ConvTiles,
-    longest: int, planes: int, low_rank: LowRankUp | None, low_rank_max_block_c: int = 256,
+    longest: int, planes: int, low_rank: LowRankUp | None,
 ) -> ConvLaunch:  # fmt: skip
-    """The launch of checked inputs (x [T, C], out as ``short_conv_update`` shapes it, int32 device rows);
-    low_rank_max_block_c: ``low_rank_args``'s cap on the up-projections' channels a program."""
+    """The launch of checked inputs (x [T, C], out as ``short_conv_update`` shapes it, int32 device rows)."""
     (t, c), n, kw, s = x.shape, slots_t.shape[0], weight.shape[1], conv_state.shape[2]
     block_t, block_c, t_chunk = tiles.block_t, tiles.block_c, max(tiles.t_chunk, tiles.block_t)
     # the last chunk runs to its sequence's end, so a max_q_len hint that is too small costs speed, not tokens
@@ -248,7 +247,7 @@ def conv_launch(
     meta = dict(KW=kw, SPEC=spec, HAS_ACC=has_acc, BLOCK_C=block_c, BLOCK_T=block_t)
     meta.update(BLOCK_S=next_pow2(max(s, kw - 1)), num_warps=tiles.num_warps)
     c_blocks = triton.cdiv(c, block_c)
-    lr_args, lr_meta = low_rank_args(low_rank, t, c_blocks, x, low_rank_max_block_c)
+    lr_args, lr_meta = low_rank_args(low_rank, t, c_blocks, x)
     lr_blocks = lr_args[6]  # LR_BLOCKS: the up-projections' programs, 0 without them
     grid = (n + (low_rank is not None), max(c_blocks, lr_blocks), n_chunks)
     return ConvLaunch(args, t_chunk, n_chunks, c_blocks, lr_args, meta, lr_meta, grid)

@@ -1,10 +1,12 @@
 """kernels/env.py's on / off switches, and the kernels' switches read through it: each reads its own variable, is
-off unset or blank, and names the variable when its value is neither 0 nor 1."""
+off unset or blank, and names the variable when its value is neither 0 nor 1; the KDA up-projections' channel
+cap (a number, read the same way)."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine.backends.gpu_kda_switches import low_rank_block_c_from_env
 from kernels.env import env_switch
 from kernels.moe.down_norm import tile_tickets_from_env
 from kernels.short_conv.in_proj_conv import in_proj_conv_from_env
@@ -32,3 +34,13 @@ def test_kernel_switches(monkeypatch, name, read):
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got 'yes'"):
         read()
+
+
+def test_low_rank_block_c(monkeypatch):
+    monkeypatch.delenv("TANDEM_KDA_LOW_RANK_BLOCK_C", raising=False)
+    assert low_rank_block_c_from_env() == 256
+    monkeypatch.setenv("TANDEM_KDA_LOW_RANK_BLOCK_C", " 64 ")
+    assert low_rank_block_c_from_env() == 64
+    monkeypatch.setenv("TANDEM_KDA_LOW_RANK_BLOCK_C", "100")
+    with pytest.raises(ValueError, match="TANDEM_KDA_LOW_RANK_BLOCK_C must be 16, 32, 64, 128 or 256, got '100'"):
+        low_rank_block_c_from_env()

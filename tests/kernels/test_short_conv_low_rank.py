@@ -40,6 +40,18 @@ def test_up_projections_in_the_conv_launch_match_the_contract(n, c, p, k, planes
     assert_close("up-projections", want, out, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_channel_cap_changes_programs_not_bits(dtype):
+    x, weight, state, a, b = _conv_case(1, 96, 512, 128, dtype)
+    outs = []
+    for cap in (16, 64, 256):  # 256: the default
+        out = torch.full((2, 1, 512), float("nan"), dtype=dtype, device=DEVICE)
+        short_conv_update(x, weight, state.clone(), [1], [0, 1], planes=3, low_rank=LowRankUp(a, b, out, cap))
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert_close("up-projections", naive_low_rank_up(a, b), outs[0], 1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_argument_errors():
     x, weight, state, a, b = _conv_case(2, 48, 64, 16, torch.float32)
     out = torch.empty(2, 2, 64, device=DEVICE)
@@ -54,6 +66,8 @@ def test_argument_errors():
         call(LowRankUp(a, b, out[:, :, :8]))
     with pytest.raises(ValueError, match="out must be"):
         call(LowRankUp(a, b, out.double()))
+    with pytest.raises(ValueError, match="max_block_c must be a power of two in \\[16, 256\\], got 48"):
+        call(LowRankUp(a, b, out, 48))
 
 
 @pytest.mark.usefixtures("fla_unblocked")
