@@ -13,6 +13,7 @@ import torch
 
 from engine.backends.base import KDABackend
 from engine.backends.fallback import fall_back
+from engine.backends.gpu_kda_rounds import run_recurrence, write_rung_windows
 from engine.backends.gpu_kda_switches import (
     CONV_PLANES,
     DECODE_GATE_IN_KERNEL,
@@ -27,7 +28,7 @@ from engine.backends.gpu_static import KDADecodeStep
 from engine.backends.kda_step import KDAStep, q_lens_of
 from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch
-from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available, fused_recurrent_kda_slots
+from kernels.kda.fla_adapter import chunk_kda_varlen, fla_available
 from kernels.short_conv.fla_adapter import conv_step, short_conv_prefill_fla
 from kernels.short_conv.in_proj_conv import SYNC_WORDS, in_proj_conv, in_proj_conv_fits, in_proj_conv_from_env
 from kernels.short_conv.planes import conv_planes
@@ -157,7 +158,7 @@ class GPUKDABackend(KDABackend):
         low_rank: LowRankUp | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         m = self._meta(batch, x.device)
-        self._conv_checkpoints(x, conv_cache, weight.shape[1] - 1, m)
+        write_rung_windows(x, conv_cache, weight.shape[1] - 1, m)
         x = x if x.stride(1) == 1 else x.contiguous()  # the q|k|v column view runs as is: no copy
         if low_rank is None and self._fla_conv_fits(x, batch, m):
             try:
@@ -174,17 +175,6 @@ class GPUKDABackend(KDABackend):
         return short_conv_update(
             x, w, conv_cache, m.slots, m.qsl, m.has_init, max_q_len=m.max_q_len, planes=planes, low_rank=low_rank
         )
-
-    @staticmethod
-    def _conv_checkpoints(x: torch.Tensor, conv_cache: torch.Tensor, w1: int, m: KDAStep | KDADecodeStep) -> None:
-        """Rung windows, before a kernel updates the windows in place: the window after `off` tokens of a chunk
-        is the last W-1 columns of [old window | x[:off]^T]."""
-        for row0, off, slot, has_init, dst in getattr(m, "conv_cks", ()):
-            if off >= w1:
-                conv_cache[dst, :, :w1] = x[row0 + off - w1 : row0 + off].t()
-            else:
-                prev = conv_cache[slot, :, off:w1] if has_init else conv_cache.new_zeros(x.shape[1], w1 - off)
-                conv_cache[dst, :, :w1] = torch.cat([prev, x[row0 : row0 + off].t().to(conv_cache.dtype)], dim=-1)
 
     def conv_recurrence(
         self,
@@ -216,7 +206,7 @@ class GPUKDABackend(KDABackend):
     ) -> torch.Tensor:
         t, h, hd = g.shape
         m = self._meta(batch, qkv.device)
-        self._conv_checkpoints(qkv, conv_cache, conv_weight.shape[1] - 1, m)
+        write_rung_windows(qkv, conv_cache, conv_weight.shape[1] - 1, m)
         step = self._step.get(
             batch,
             "conv_fla",
@@ -395,42 +385,7 @@ class GPUKDABackend(KDABackend):
         kernel (all-decode steps). ``beta_logits``: beta holds the logits, their sigmoid taken in the recurrent
         kernel (all-decode steps)."""
         m = self._meta(batch, q.device)
-        prefill_only = isinstance(m, KDAStep) and m.dec_slots is None
-        if qk_normalized and not prefill_only:
-            raise ValueError("qk_normalized is for prefill-only steps: the decode kernel norms q and k itself")
-        if (gate is not None and not (prefill_only or m.all_decode)) or (beta_logits and not m.all_decode):
-            raise ValueError("a raw gate is for prefill-only or all-decode steps, beta logits for all-decode steps")
-        if m.fresh is not None:
-            state_cache.index_fill_(0, m.fresh, 0.0)  # not `[idx] = 0.0`: that uploads the scalar (a sync)
-        for slot, dst in m.pre_copies:
-            state_cache[dst] = state_cache[slot]
-        # o stays in fla's output dtype (v's): the model casts it to its own dtype (v's) next, so widening it
-        # to fp32 here was a lossless round trip of two full-size copies per layer
-        if m.all_decode:
-            out = fused_recurrent_kda_slots(
-                q, k, v, g, beta, state_cache, m.dec_slots, gate=gate, beta_logits=beta_logits
-            )
-            for slot, dst in m.dec_copies:
-                state_cache[dst] = state_cache[slot]
-            return out
-        out = None if m.rows_are_all else torch.empty(*v.shape, dtype=v.dtype, device=v.device)
-        if m.dec_rows is not None:
-            sel = (x[m.dec_rows] for x in (q, k, v, g, beta))
-            out[m.dec_rows] = fused_recurrent_kda_slots(*sel, state_cache, m.dec_slots)
-            for slot, dst in m.dec_copies:
-                state_cache[dst] = state_cache[slot]
-        extra = ({"qk_normalized": True} if qk_normalized else {}) | ({"gate": gate} if gate is not None else {})
-        for rows, slots, cu, copies, needs_h in m.rounds:
-            sel = (q, k, v, g, beta) if m.rows_are_all else (x[rows] for x in (q, k, v, g, beta))
-            o, final, h = self.chunk_fn(*sel, state_cache[slots], cu, return_intermediate_states=needs_h, **extra)
-            state_cache[slots] = final.to(state_cache.dtype)
-            for kind, index, dst in copies:
-                state_cache[dst] = (final if kind == "final" else h)[index].to(state_cache.dtype)
-            if m.rows_are_all:
-                out = o
-            else:
-                out[rows] = o
-        return out
+        return run_recurrence(self.chunk_fn, m, q, k, v, g, beta, state_cache, qk_normalized, gate, beta_logits)
 
 
 def gpu_kda_backend() -> KDABackend:
