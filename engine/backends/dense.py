@@ -4,11 +4,12 @@ bandwidth unused (kernels/gemv/triton.py's docstring; ``bench/gemv_sweep.py``)."
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from kernels.env import env_switch
 
 if TYPE_CHECKING:
     from engine.backends.base import AddNorm
@@ -177,17 +178,9 @@ def gpu_dense_backend() -> TorchDense:
     program re-reads the whole row for its sum of squares), docs/PERFORMANCE.md, twenty-eighth session.
     ``TANDEM_GEMV_NORM_AFTER``: ``1`` (default) the post-attention norm run by the last program of the attention's
     output projection at one row (kernels/gemv/norm_after.py), ``0`` its own launch."""
-    switches = {
-        name: os.environ.get(name, default).strip()
-        for name, default in (("TANDEM_GEMV", "1"), ("TANDEM_GEMV_ADD_NORM", "0"), ("TANDEM_GEMV_NORM_AFTER", "1"))
-    }
-    for name, value in switches.items():
-        if value not in ("0", "1"):
-            raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    if switches["TANDEM_GEMV"] == "0":
-        return TorchDense()
-    on = {name: value == "1" for name, value in switches.items()}
-    return TritonDense(add_norm=on["TANDEM_GEMV_ADD_NORM"], norm_after=on["TANDEM_GEMV_NORM_AFTER"])
+    gemv = env_switch("TANDEM_GEMV", True)
+    add_norm, norm_after = env_switch("TANDEM_GEMV_ADD_NORM", False), env_switch("TANDEM_GEMV_NORM_AFTER", True)
+    return TritonDense(add_norm=add_norm, norm_after=norm_after) if gemv else TorchDense()
 
 
 __all__ = ["DENSE_GEMV_MAX_ROWS", "TorchDense", "TritonDense", "gpu_dense_backend"]

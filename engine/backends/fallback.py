@@ -6,17 +6,15 @@ measures the fallback while it reports the fast path (bench/gpu_session.sh sets 
 from __future__ import annotations
 
 import logging
-import os
+
+from kernels.env import env_switch
 
 logger = logging.getLogger("tandem.backends")
 
 
 def fallbacks_allowed() -> bool:
     """``TANDEM_KERNEL_FALLBACK``: ``1`` (default) fall back with a warning, ``0`` raise."""
-    value = os.environ.get("TANDEM_KERNEL_FALLBACK", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"TANDEM_KERNEL_FALLBACK must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch("TANDEM_KERNEL_FALLBACK", True)
 
 
 def fall_back(what: str, instead: str, err: BaseException) -> None:

@@ -9,8 +9,6 @@ Imports triton (and, lazily, fla) — only ``select_backends`` on a CUDA device 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.backends.base import AttentionBackend, MLADims, QKNormRope
@@ -20,6 +18,7 @@ from engine.backends.gpu_static import static_attn_meta, static_mla_parts
 from engine.backends.norm import TorchNormBackend
 from engine.backends.per_step import PerStep
 from engine.forward_batch import ForwardBatch, kv_write_fields
+from kernels.env import env_switch
 from kernels.paged_attention.latent_write import write_mla_latent_triton
 from kernels.paged_attention.meta import pack_block_tables, plan_gqa
 from kernels.paged_attention.mla import MLA_EXPAND_MIN_Q_LEN, plan_mla, run_mla
@@ -29,10 +28,10 @@ from kernels.triton_utils import is_interpreting
 
 # FlashMLA's split plan made once a step and shared by the MLA layers (kernels/flashmla/decode.DecodeSchedule);
 # TANDEM_FLASHMLA_SHARED_PLAN=0 plans in every layer, for A / B runs
-FLASHMLA_SHARED_PLAN = os.environ.get("TANDEM_FLASHMLA_SHARED_PLAN", "1") != "0"
+FLASHMLA_SHARED_PLAN = env_switch("TANDEM_FLASHMLA_SHARED_PLAN", True)
 # Qwen3's q / k norms, RoPE and the K | V write in one launch (kernels/paged_attention/qk_norm_rope.py);
 # TANDEM_QK_NORM_ROPE=0 runs the model's ops, for A / B runs
-QK_NORM_ROPE = os.environ.get("TANDEM_QK_NORM_ROPE", "1") != "0"
+QK_NORM_ROPE = env_switch("TANDEM_QK_NORM_ROPE", True)
 
 
 def _kv_write_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from kernels.env import env_switch
+
 FLA_CONV_MIN_LEN = (
     256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
 )
@@ -15,8 +17,8 @@ PLANES_MIN_LEN = FLA_CONV_MIN_LEN
 (kernels/short_conv/planes.py) instead of fla's conv and two ``l2norm`` passes: on the H200, 8-row sub-tiles at
 2 warps, 248 vs 284 us a layer at 8k tokens, 959 vs 1,056 us at 32k (docs/PERFORMANCE.md, sixteenth session).
 ``TANDEM_KDA_CONV_PLANES=0`` keeps fla's conv + norms (A/B runs)."""
-CONV_PLANES = os.environ.get("TANDEM_KDA_CONV_PLANES", "1").strip() != "0"
-GATE_IN_CHUNK = os.environ.get("TANDEM_KDA_GATE_IN_CHUNK", "1").strip() != "0"
+CONV_PLANES = env_switch("TANDEM_KDA_CONV_PLANES", True)
+GATE_IN_CHUNK = env_switch("TANDEM_KDA_GATE_IN_CHUNK", True)
 """Prefill-only steps hand chunk_kda the raw gate projection and let fla apply the gate inside its chunk cumsum
 (one pass over [T, H, K] fp32 instead of fla's gate kernel, then the cumsum: 0.38 + 0.41 ms at 8k tokens, 6
 layers). On the H200 an 8k prefill took 39.4 vs 40.6 ms through the piecewise graphs (docs/PERFORMANCE.md,
@@ -25,7 +27,7 @@ interpreter: the host tests check the wiring with the reference chunk function).
 gates first (A/B runs)."""
 
 
-DECODE_GATE_IN_KERNEL = os.environ.get("TANDEM_KDA_DECODE_GATE_IN_KERNEL", "1").strip() != "0"
+DECODE_GATE_IN_KERNEL = env_switch("TANDEM_KDA_DECODE_GATE_IN_KERNEL", True)
 """All-decode steps hand fla's recurrent kernel the raw gate projection and beta's logits
 (``USE_GATE_IN_KERNEL``, ``APPLY_BETA_SIGMOID``): the gate kernel, the sigmoid (a view of one row at batch 1: no
 copy left) and the output's zero fill leave the decode step, 2-3 launches a KDA layer. The gate is fla's gate
@@ -33,7 +35,7 @@ kernel's formula (the same fp32 ops); beta stays fp32 instead of being rounded t
 ``TANDEM_KDA_DECODE_GATE_IN_KERNEL=0`` gates and takes the sigmoid first (A/B runs)."""
 
 
-LOW_RANK_IN_CONV = os.environ.get("TANDEM_KDA_LOW_RANK_IN_CONV", "1").strip() != "0"
+LOW_RANK_IN_CONV = env_switch("TANDEM_KDA_LOW_RANK_IN_CONV", True)
 """All-decode steps of at most ``LOW_RANK_MAX_ROWS`` rows run the f_b | g_b up-projections in the short conv's launch
 (kernels/short_conv/low_rank.py) instead of their own batched GEMM: one launch a KDA layer fewer.
 ``TANDEM_KDA_LOW_RANK_IN_CONV=0`` keeps the GEMM (A/B runs)."""

@@ -12,6 +12,7 @@ import torch
 
 from engine.backends.base import AddNorm, MoEBackend
 from engine.backends.fallback import fall_back
+from kernels.env import env_switch
 from kernels.moe.align import moe_align_auto
 from kernels.moe.combine import moe_combine_auto
 from kernels.moe.combine_norm import add_rms_norm_reference, moe_combine_add_norm
@@ -68,11 +69,11 @@ class GPUMoEBackend(MoEBackend):
     ) -> None:
         self.experts_impl = experts_impl
         if decode_kernels is None:
-            decode_kernels = os.environ.get("TANDEM_MOE_DECODE_KERNELS", "1") != "0"
+            decode_kernels = env_switch("TANDEM_MOE_DECODE_KERNELS", True)
         if prefill_kernels is None:
-            prefill_kernels = os.environ.get("TANDEM_MOE_PREFILL_KERNELS", "1") != "0"
+            prefill_kernels = env_switch("TANDEM_MOE_PREFILL_KERNELS", True)
         if gate_up_tma is None:
-            gate_up_tma = os.environ.get("TANDEM_MOE_GATE_UP_TMA", "1") != "0"
+            gate_up_tma = env_switch("TANDEM_MOE_GATE_UP_TMA", True)
         self.decode_kernels = decode_kernels
         self.prefill_kernels = prefill_kernels
         self.gate_up_impl = "auto" if gate_up_tma else "pointer"
@@ -81,21 +82,21 @@ class GPUMoEBackend(MoEBackend):
             raise ValueError(
                 f"MoE down_impl (TANDEM_MOE_DOWN_IMPL) must be auto, grouped_mm, triton or tma, got {self.down_impl!r}"
             )
-        self.fold_shared = self.decode_kernels and os.environ.get("TANDEM_MOE_FOLD_SHARED", "1").strip() != "0"
-        self.pair_rows = os.environ.get("TANDEM_MOE_PAIR_ROWS", "1").strip() != "0"
-        self.combine_norm = os.environ.get("TANDEM_MOE_COMBINE_NORM", "1").strip() != "0"
-        self.down_norm = os.environ.get("TANDEM_MOE_DOWN_NORM", "1").strip() != "0"
+        self.fold_shared = self.decode_kernels and env_switch("TANDEM_MOE_FOLD_SHARED", True)
+        self.pair_rows = env_switch("TANDEM_MOE_PAIR_ROWS", True)
+        self.combine_norm = env_switch("TANDEM_MOE_COMBINE_NORM", True)
+        self.down_norm = env_switch("TANDEM_MOE_DOWN_NORM", True)
         # the routing inside the gate-up launch at one token (with down_norm): b1 -20 us a step on the H200
-        self.route_gate_up = os.environ.get("TANDEM_MOE_ROUTE_GATE_UP", "1").strip() != "0"
+        self.route_gate_up = env_switch("TANDEM_MOE_ROUTE_GATE_UP", True)
         # its routed programs poll a word holding their expert instead of the flag (b1 +7-9 us a step on an H100)
-        self.route_slot_words = os.environ.get("TANDEM_MOE_ROUTE_SLOT_WORDS", "0").strip() == "1"
+        self.route_slot_words = env_switch("TANDEM_MOE_ROUTE_SLOT_WORDS", False)
         # the down programs in that launch too: the whole block one launch (+75 us a b1 step on an H100: off)
-        self.block_one_launch = os.environ.get("TANDEM_MOE_BLOCK_ONE_LAUNCH", "0").strip() == "1"
+        self.block_one_launch = env_switch("TANDEM_MOE_BLOCK_ONE_LAUNCH", False)
         self.route_split = route_split_from_env()
         self.route_acquire = acquire_poll_from_env()  # read here: a bad value fails at start, not as a fallback
         self.down_tile_tickets = tile_tickets_from_env()  # the down launch's two-level combine + norm tail
         if router_gemv is None:
-            router_gemv = os.environ.get("TANDEM_MOE_ROUTER_GEMV", "0").strip() == "1"
+            router_gemv = env_switch("TANDEM_MOE_ROUTER_GEMV", False)
         self.router_gemv = router_gemv
         if fused_route_rows is None:
             rows = os.environ.get("TANDEM_MOE_FUSED_ROUTE_ROWS", str(FUSED_ROUTE_MAX_ROWS)).strip()

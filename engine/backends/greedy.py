@@ -4,10 +4,9 @@ step and copies home): torch's argmax as the reference, the two-launch Triton ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kernels.env import env_switch
 from kernels.sampling.naive import naive_argmax_rows
 
 
@@ -25,7 +24,7 @@ class TritonGreedy(TorchGreedy):
     def __init__(self) -> None:
         from kernels.triton_utils import LaunchTicket
 
-        self.one_launch = os.environ.get("TANDEM_ARGMAX_ONE_LAUNCH", "0").strip() == "1"
+        self.one_launch = env_switch("TANDEM_ARGMAX_ONE_LAUNCH", False)
         self._ticket = LaunchTicket()  # made outside any capture, reused by every launch on a device
 
     def argmax_rows(self, logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

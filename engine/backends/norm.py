@@ -8,9 +8,9 @@ Inside a CUDA graph decode step every launch costs a graph node, so the count ma
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kernels.env import env_switch
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,10 +97,8 @@ def gpu_norm_backend() -> TorchNormBackend:
     """fla's fused norms when fla-core imports, else the reference (the KDA backend warns about fla).
     ``TANDEM_EMBED_NORM``: ``1`` (default) the embedding's gather and the first input norm in one launch
     (kernels/embed_norm), ``0`` torch's gather, then fla's norm."""
-    choice = os.environ.get("TANDEM_EMBED_NORM", "1").strip()
-    if choice not in ("0", "1"):
-        raise ValueError(f"TANDEM_EMBED_NORM must be 0 or 1, got {choice!r}")
+    embed_norm = env_switch("TANDEM_EMBED_NORM", True)
     try:
-        return FlaNormBackend(embed_norm=choice == "1")
+        return FlaNormBackend(embed_norm=embed_norm)
     except ImportError:
         return TorchNormBackend()

@@ -13,6 +13,7 @@ from engine.cache.tensors import CacheTensors
 from engine.forward_batch import ForwardBatch
 from engine.model_config import ModelConfig
 from engine.models.layers import RMSNorm, layer_output
+from kernels.env import env_switch
 
 
 def fused_residual_adds() -> bool:
@@ -20,10 +21,7 @@ def fused_residual_adds() -> bool:
     after every layer, then a plain norm — the kernels before the fusion, for A / B runs of the one-process
     forward (same values on the reference path: the same adds in another place). Pipeline stages
     (engine/parallel/runner.py) always carry the pair and add it once at their boundary."""
-    choice = os.environ.get("TANDEM_FUSED_RESIDUAL", "1").strip() or "1"
-    if choice not in ("0", "1"):
-        raise ValueError(f"TANDEM_FUSED_RESIDUAL must be 0 or 1, got {choice!r}")
-    return choice == "1"
+    return env_switch("TANDEM_FUSED_RESIDUAL", True)
 
 
 class CausalLM(nn.Module):

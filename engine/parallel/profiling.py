@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.sync_census import sync_census
+from kernels.env import env_switch
 
 
 class StepProfiler:
@@ -30,8 +31,8 @@ class StepProfiler:
         self.left = int(os.environ.get("TANDEM_PROFILE_STEPS", "4"))
         self.skip = int(os.environ.get("TANDEM_PROFILE_SKIP", "0"))  # big steps to pass over first (warm-up)
         self.count = 0
-        self.syncs = os.environ.get("TANDEM_SYNC_CENSUS", "") == "1"
-        self.trace = os.environ.get("TANDEM_PROFILE_TRACE", "") == "1"
+        self.syncs = env_switch("TANDEM_SYNC_CENSUS", False)
+        self.trace = env_switch("TANDEM_PROFILE_TRACE", False)
 
     @contextlib.contextmanager
     def step(self, num_tokens: int) -> Iterator[None]:

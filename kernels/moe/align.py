@@ -17,17 +17,16 @@ expert); each block sorts its (expert, pair) keys and writes every pair at its r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.env import env_switch
 from kernels.moe.grouped import MoEAlign, moe_align
 from kernels.pdl import pdl_enter, pdl_kwargs
 from kernels.triton_utils import check_device, is_interpreting, next_pow2
 
-BLOCK_ALIGN = os.environ.get("TANDEM_MOE_BLOCK_ALIGN", "1") != "0"
+BLOCK_ALIGN = env_switch("TANDEM_MOE_BLOCK_ALIGN", True)
 """``moe_align_blocks`` for long steps (read once: ``moe_align_auto`` runs in every MoE layer of every step)."""
 
 MAX_PAIRS = 8192

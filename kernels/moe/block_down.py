@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.env import env_switch
 from kernels.moe.combine_norm import combine_add_norm_row
 from kernels.moe.decode import down_rows
 from kernels.prefetch.triton import prefetch_span_to_l2
@@ -58,10 +59,7 @@ def wait_options(poll_ns: int | None, prefetch: bool | None, w2: torch.Tensor) -
     if not 0 <= poll_ns <= MAX_POLL_NS:
         raise ValueError(f"poll_ns must be in [0, {MAX_POLL_NS}] ns, got {poll_ns}")
     if prefetch is None:
-        raw = os.environ.get(PREFETCH_ENV, "0")
-        if raw not in ("0", "1"):
-            raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {raw!r}")
-        prefetch = raw == "1"
+        prefetch = env_switch(PREFETCH_ENV, False)
     if is_interpreting():
         return 0, False
     esz = w2.element_size()

@@ -4,13 +4,13 @@ per layer (``run_mla``). Why two forms and where they cross over: README.md next
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend
 
+from kernels.env import env_switch
 from kernels.flashmla.decode import RANK, ROPE, DecodeSchedule, flashmla_decode_fwd, use_flashmla
 from kernels.gemv.heads import head_gemv
 from kernels.paged_attention.meta import AttnMeta, build_attn_meta, default_block_m, pack_block_tables
@@ -30,12 +30,12 @@ def absorb_weights(kv_b_weight: torch.Tensor, num_heads: int, nope: int, v_dim: 
 # Decode launches (one query per sequence) take the all-heads kernel (kernels/paged_attention/mla_decode.py): the
 # latent is read once for all 32 heads instead of once per 16 (H200: 1.25-1.6x faster at batch 16-64).
 # TANDEM_MLA_ALL_HEADS=0 keeps them on the general kernel, for A/B runs.
-MLA_ALL_HEADS = os.environ.get("TANDEM_MLA_ALL_HEADS", "1") != "0"
+MLA_ALL_HEADS = env_switch("TANDEM_MLA_ALL_HEADS", True)
 
 # One query (a batch-1 decode step): q_nope through W_UK and the latent output through W_UV^T by the per-head GEMV
 # (kernels/gemv/heads.py) instead of cuBLAS's batched GEMMs of one row, FlashMLA's rope columns copied by the same
 # launch. TANDEM_MLA_HEAD_GEMV=0 keeps the batched GEMMs, for A/B runs.
-MLA_HEAD_GEMV = os.environ.get("TANDEM_MLA_HEAD_GEMV", "1") != "0"
+MLA_HEAD_GEMV = env_switch("TANDEM_MLA_HEAD_GEMV", True)
 
 
 def _one_query_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:

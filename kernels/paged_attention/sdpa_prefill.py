@@ -12,7 +12,6 @@ torch reference.
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 from collections.abc import Sequence
 
@@ -20,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.env import env_switch
+
 # TANDEM_MLA_PREFILL_SDPA=0 keeps every prefill launch on the Triton kernel (A/B runs).
-MLA_PREFILL_SDPA = os.environ.get("TANDEM_MLA_PREFILL_SDPA", "1") != "0"
+MLA_PREFILL_SDPA = env_switch("TANDEM_MLA_PREFILL_SDPA", True)
 
 
 @functools.cache
