@@ -15,6 +15,12 @@ routing inside the MoE gate-up launch assumes, kernels/moe/route_gate_up.py): ev
 resident or done before any conv program starts to wait, so no waiter holds a slot a projection program needs.
 Under ``TRITON_INTERPRET=1`` programs run one by one in that order.
 
+Measured (an H100, forty-first session, docs/PERFORMANCE.md): the same bits as the two launches across graph
+replays, but a b1 step's kernels took 8-14 us longer with it (6 launches fewer saved ~2 us of gaps inside the
+graph). The conv cannot start before every projection program is in, so nothing overlaps that did not before; the
+likely cost is ~176 programs polling the word the projection's programs count into (untraced). Off
+(``TANDEM_KDA_IN_PROJ_CONV=1`` for A / B runs on the H200, not yet timed there).
+
 The bits are the two launches': the projection is ``one_row_block`` (the GEMV's own one-row body, the same tile),
 the conv is the conv's own program. Contract: ``gemv`` then ``short_conv_update``.
 """
@@ -86,7 +92,7 @@ def in_proj_conv_fits(n: int, k: int, conv_channels: int) -> bool:
 
 def in_proj_conv_from_env() -> bool:
     """``TANDEM_KDA_IN_PROJ_CONV``: "1" runs a one-token KDA layer's in_proj and conv in one launch, "0" (the
-    default until it is timed on the H200) in two."""
+    default: slower on the H100, untimed on the H200) in two."""
     return env_switch("TANDEM_KDA_IN_PROJ_CONV", False)
 
 
