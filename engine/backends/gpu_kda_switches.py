@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from kernels.env import env_switch
+from kernels.short_conv.low_rank import LOW_RANK_BLOCK_CS
 
 FLA_CONV_MIN_LEN = (
     256  # steps with a chunk this long run the short conv through fla (kernels/short_conv/fla_adapter.py)
@@ -47,17 +48,18 @@ row of its channels, after the conv's programs); 2-8 rows were not timed."""
 
 def low_rank_block_c_from_env() -> int:
     """``TANDEM_KDA_LOW_RANK_BLOCK_C`` (blank: 256); anything but a power of two in [16, 256] is an error naming it."""
-    raw = os.environ.get("TANDEM_KDA_LOW_RANK_BLOCK_C", "").strip() or "256"
-    if raw not in ("16", "32", "64", "128", "256"):
-        raise ValueError(f"TANDEM_KDA_LOW_RANK_BLOCK_C must be 16, 32, 64, 128 or 256, got {raw!r}")
+    raw = os.environ.get("TANDEM_KDA_LOW_RANK_BLOCK_C", "").strip() or str(LOW_RANK_BLOCK_CS[-1])
+    if raw not in (caps := [str(c) for c in LOW_RANK_BLOCK_CS]):
+        raise ValueError(f"TANDEM_KDA_LOW_RANK_BLOCK_C must be {', '.join(caps[:-1])} or {caps[-1]}, got {raw!r}")
     return int(raw)
 
 
 LOW_RANK_BLOCK_C = low_rank_block_c_from_env()
 """The up-projections' channels a program in the conv's launch (``LowRankUp.max_block_c``). At 256 that launch is
 255 registers with 736 bytes of spills at Kimi's shape (ptxas sm_90a); the in_proj + conv launch takes 64 for its
-register count (kernels/short_conv/in_proj_conv.py). The same bits at any cap. ``TANDEM_KDA_LOW_RANK_BLOCK_C``:
-A / B runs (untimed)."""
+register count (kernels/short_conv/in_proj_conv.py). The same bits at any cap. At 64 a b1 step was within the
+run-to-run spread on an H100 (docs/PERFORMANCE.md, forty-first session), so 256 stays.
+``TANDEM_KDA_LOW_RANK_BLOCK_C``: A / B runs."""
 
 
 __all__ = [

@@ -19,6 +19,9 @@ import triton.language as tl
 
 from kernels.triton_utils import check_device, dot_config, mm
 
+LOW_RANK_BLOCK_CS = (16, 32, 64, 128, 256)
+"""The caps ``LowRankUp.max_block_c`` may take: the channels a program, a power of two that a tl.dot tile takes."""
+
 
 @dataclass(frozen=True)
 class LowRankUp:
@@ -44,7 +47,7 @@ class LowRankUp:
             raise ValueError(f"low_rank: out must be a contiguous [2, {rows}, {b.shape[1]}] of a's dtype {a.dtype}")
         if not a.device == b.device == out.device:
             raise ValueError("low_rank: a, b and out must be on one device")
-        if self.max_block_c not in (16, 32, 64, 128, 256):
+        if self.max_block_c not in LOW_RANK_BLOCK_CS:
             raise ValueError(f"low_rank: max_block_c must be a power of two in [16, 256], got {self.max_block_c}")
 
 
@@ -115,4 +118,4 @@ def low_rank_args(
     return args, dict(LOW_RANK=True, LR_BLOCK_C=block_c, LR_BLOCK_K=block_k, DOT_F32=dot_f32, PREC=prec)
 
 
-__all__ = ["LowRankUp", "low_rank_args", "low_rank_tiles", "low_rank_up_block"]
+__all__ = ["LOW_RANK_BLOCK_CS", "LowRankUp", "low_rank_args", "low_rank_tiles", "low_rank_up_block"]

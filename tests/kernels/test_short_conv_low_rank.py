@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.short_conv.low_rank import low_rank_args
 from kernels.short_conv.naive import naive_low_rank_up
 from kernels.short_conv.triton import LowRankUp, short_conv_update
 from tests.kernels.helpers import DEVICE, ON_CUDA, assert_close
@@ -46,7 +47,9 @@ def test_the_channel_cap_changes_programs_not_bits(dtype):
     outs = []
     for cap in (16, 64, 256):  # 256: the default
         out = torch.full((2, 1, 512), float("nan"), dtype=dtype, device=DEVICE)
-        short_conv_update(x, weight, state.clone(), [1], [0, 1], planes=3, low_rank=LowRankUp(a, b, out, cap))
+        low_rank = LowRankUp(a, b, out, cap)
+        assert low_rank_args(low_rank, 1, 1, x)[1]["LR_BLOCK_C"] == cap  # the cap reaches the launch
+        short_conv_update(x, weight, state.clone(), [1], [0, 1], planes=3, low_rank=low_rank)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert_close("up-projections", naive_low_rank_up(a, b), outs[0], 1e-5 if dtype == torch.float32 else 1e-2)
